@@ -1,0 +1,31 @@
+# `make test` and `make demo` work on a fresh machine with only Python 3.11:
+# the first call builds .venv from the one constraints file that pins the stack.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tfdpx-installed
+
+.PHONY: venv test test-all demo bench clean
+
+venv: $(STAMP)
+
+$(STAMP): constraints.txt setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,examples]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -m "not slow" -q
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) -m examples.demo
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.speed
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,62 @@
+"""Per-example clipping over all variables together (global L2 norm)."""
+
+from typing import List, Sequence, Tuple
+
+import tensorflow as tf
+
+
+def per_example_global_norm(per_example: Sequence[tf.Tensor]) -> tf.Tensor:
+  """The L2 norm of each example over all tensors, shape `[B]`, in float32."""
+  squares = [
+      tf.reduce_sum(
+          tf.reshape(tf.square(tf.cast(g, tf.float32)), [tf.shape(g)[0], -1]),
+          axis=1) for g in per_example
+  ]
+  return tf.sqrt(tf.add_n(squares))
+
+
+def _scale(per_example: Sequence[tf.Tensor], factor: tf.Tensor):
+  out = []
+  for g in per_example:
+    f = tf.reshape(factor, [-1] + [1] * (g.shape.rank - 1))
+    out.append(g * tf.cast(f, g.dtype))
+  return out
+
+
+def clip_per_example(
+    per_example: Sequence[tf.Tensor], l2_norm_clip
+) -> Tuple[List[tf.Tensor], tf.Tensor]:
+  """Scales each example so its global L2 norm is at most `l2_norm_clip`.
+
+  Uses `1 / max(norm / C, 1)`, which is 1 for a zero example and for an
+  infinite `l2_norm_clip` (no NaN in either case).
+
+  Args:
+    per_example: one `[B, ...]` tensor per variable.
+    l2_norm_clip: positive clip norm C (may be `inf`).
+
+  Returns:
+    `(clipped, norms)`: the clipped tensors and the unclipped norms `[B]`.
+  """
+  norms = per_example_global_norm(per_example)
+  factor = 1.0 / tf.maximum(norms / tf.cast(l2_norm_clip, tf.float32), 1.0)
+  return _scale(per_example, factor), norms
+
+
+def normalize_per_example(
+    per_example: Sequence[tf.Tensor], gamma
+) -> List[tf.Tensor]:
+  """Automatic clipping: each example becomes `g / (||g|| + gamma)`.
+
+  Every output has norm below 1 (for `gamma > 0`), so the L2 sensitivity of the
+  sum is 1.
+
+  Args:
+    per_example: one `[B, ...]` tensor per variable.
+    gamma: positive stability constant.
+
+  Returns:
+    The normalized tensors.
+  """
+  norms = per_example_global_norm(per_example)
+  return _scale(per_example, 1.0 / (norms + tf.cast(gamma, tf.float32)))

@@ -1,0 +1,7 @@
+"""Keras integration: DP optimizers and callbacks."""
+
+from tfdpx.keras.callbacks import PrivacyCallback
+from tfdpx.keras.optimizers import DPAdagrad
+from tfdpx.keras.optimizers import DPAdam
+from tfdpx.keras.optimizers import DPOptimizerMixin
+from tfdpx.keras.optimizers import DPSGD

@@ -1,0 +1,263 @@
+"""Keras optimizers that privatize gradients with a tfdpx privatizer.
+
+One mixin over tensorflow-privacy's vectorized DP Keras optimizers: the
+privatizer is a constructor argument, the optimizer owns the variables holding
+the privatizer's state and its step counter (so checkpoints restore them), and
+the noisy sum is divided by a public denominator.
+"""
+
+import os
+from typing import Optional
+
+import dp_accounting
+import tensorflow as tf
+from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras_vectorized as tfp_vectorized
+
+from tfdpx import accounting
+from tfdpx import core
+from tfdpx import per_example
+from tfdpx.privatizers import gaussian as gaussian_lib
+
+_REFUSED_KWARGS = ('clipnorm', 'clipvalue', 'global_clipnorm')
+
+
+def _secret_seed() -> int:
+  return int.from_bytes(os.urandom(8), 'little') & 0x7FFFFFFFFFFFFFFF
+
+
+class DPOptimizerMixin:
+  """Turns a tensorflow-privacy vectorized DP optimizer into a tfdpx one.
+
+  Each step: per-record gradients (the Jacobian of the loss vector, or those a
+  private model hands to `privatize`) go through `privatizer.update`, the
+  noisy sum is divided by the public denominator, and the base optimizer
+  (SGD, Adam, Adagrad) applies the result.
+  """
+
+  def __init__(self,
+               privatizer: Optional[core.Privatizer] = None,
+               *,
+               l2_norm_clip: Optional[float] = None,
+               noise_multiplier: Optional[float] = None,
+               num_microbatches: Optional[int] = None,
+               expected_batch_size: Optional[float] = None,
+               seed: Optional[int] = None,
+               **kwargs):
+    """Args:
+      privatizer: the noise step (`tfdpx.privatizers.*`), or its
+        `serialize`d form. Leave `None` to pass tensorflow-privacy's
+        `l2_norm_clip` and `noise_multiplier` instead (DP-SGD).
+      l2_norm_clip: with `noise_multiplier`, shorthand for
+        `privatizer=gaussian(l2_norm_clip, noise_multiplier)`.
+      noise_multiplier: see `l2_norm_clip`.
+      num_microbatches: as in tensorflow-privacy: average the losses of this
+        many equal microbatches and privatize one record per microbatch. One
+        example then changes one record arbitrarily, so its sensitivity
+        doubles; `dp_event` accounts for that unless
+        `expected_batch_size == num_microbatches` (one example per record).
+      expected_batch_size: the public denominator of the noisy sum (the
+        expected number of examples per batch). Required unless
+        `num_microbatches` is given, which is then the denominator.
+      seed: integer key of every random draw. `None` (the default) draws a
+        secret seed from the operating system and keeps it out of the config:
+        anyone who knows the seed can subtract the noise, so pass one only for
+        reproducible experiments.
+      **kwargs: arguments of the base Keras optimizer (`learning_rate`, ...).
+
+    Raises:
+      ValueError: naming the argument, for a missing or inconsistent privacy
+        argument or for `clipnorm`, `clipvalue`, `global_clipnorm`.
+    """
+    for name in _REFUSED_KWARGS:
+      if kwargs.get(name) is not None:
+        raise ValueError(
+            f'{name} is not supported by tfdpx optimizers: clipping is part of '
+            'the privatizer (its l2_norm_clip); gradient clipping after the '
+            'noise would not change privacy and clipping before it must be '
+            'per example.')
+    if isinstance(privatizer, dict):
+      privatizer = core.deserialize(privatizer)
+    if privatizer is None:
+      if l2_norm_clip is None or noise_multiplier is None:
+        raise ValueError(
+            'pass privatizer=..., or both l2_norm_clip and noise_multiplier')
+      privatizer = gaussian_lib.gaussian(l2_norm_clip, noise_multiplier)
+    elif l2_norm_clip is not None or noise_multiplier is not None:
+      raise ValueError(
+          'l2_norm_clip and noise_multiplier belong to the privatizer; do not '
+          'pass them together with privatizer=...')
+    if not isinstance(privatizer, core.Privatizer):
+      raise ValueError(
+          f'privatizer must be a tfdpx privatizer, got {privatizer!r}')
+    if num_microbatches is not None:
+      if int(num_microbatches) != num_microbatches or num_microbatches < 1:
+        raise ValueError(
+            f'num_microbatches must be a positive integer, got '
+            f'{num_microbatches!r}')
+      num_microbatches = int(num_microbatches)
+    if expected_batch_size is not None:
+      expected_batch_size = core.check_positive('expected_batch_size',
+                                                expected_batch_size)
+    elif num_microbatches is None:
+      raise ValueError(
+          'expected_batch_size is required: the noisy sum is divided by this '
+          'public number, not by the realized batch size (or pass '
+          'num_microbatches, which is then the denominator)')
+    if seed is not None and (int(seed) != seed or seed < 0):
+      raise ValueError(f'seed must be a non-negative integer, got {seed!r}')
+
+    config = privatizer.config
+    super().__init__(
+        float(config.get('l2_norm_clip', float('nan'))),
+        float(config.get('noise_multiplier', float('nan'))),
+        num_microbatches, True, **kwargs)
+    self._privatizer = privatizer
+    self._expected_batch_size = expected_batch_size
+    self._seed = None if seed is None else int(seed)
+    self._secret = _secret_seed() if seed is None else int(seed)
+    self._dp_state_vars = None
+    self._dp_state_structure = None
+    self._dp_steps = None
+
+  # --- privacy ---------------------------------------------------------------
+
+  @property
+  def privatizer(self) -> core.Privatizer:
+    return self._privatizer
+
+  @property
+  def denominator(self) -> float:
+    """The public number the noisy sum is divided by."""
+    if self._num_microbatches is not None:
+      return float(self._num_microbatches)
+    return self._expected_batch_size
+
+  @property
+  def records_are_microbatches(self) -> bool:
+    return (self._num_microbatches is not None and
+            self._expected_batch_size != self._num_microbatches)
+
+  def dp_event(self, step: int) -> dp_accounting.DpEvent:
+    """The event of step `step` as this optimizer runs it (before sampling)."""
+    event = self._privatizer.dp_event(step)
+    if self.records_are_microbatches:
+      event = accounting.scale_sensitivity(event, 2.0)
+    return event
+
+  @property
+  def dp_steps(self) -> tf.Variable:
+    """Number of privatized steps so far (a variable; checkpoints restore it)."""
+    if self._dp_steps is None:
+      with tf.init_scope():
+        self._dp_steps = self.add_weight(
+            'dp_steps', shape=[], dtype=tf.int64, trainable=False,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+      self._weights.append(self._dp_steps)
+    return self._dp_steps
+
+  def _create_dp_weights(self, var_list):
+    if self._dp_state_vars is not None:
+      return
+    with tf.init_scope():
+      state = self._privatizer.init(var_list)
+      flat = tf.nest.flatten(state)
+      self._dp_state_structure = state
+      self._dp_state_vars = []
+      for i, value in enumerate(flat):
+        value = tf.convert_to_tensor(value)
+        variable = self.add_weight(
+            f'dp_state_{i}', shape=value.shape, dtype=value.dtype,
+            trainable=False,
+            initializer=lambda shape, dtype=None, v=value: v,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        self._dp_state_vars.append(variable)
+        self._weights.append(variable)
+    _ = self.dp_steps
+
+  def privatize(self, per_example_grads, var_list, *, public_grads=None):
+    """Privatized mean gradient from per-record gradients.
+
+    Args:
+      per_example_grads: one `[num_records, *var.shape]` tensor per variable.
+      var_list: the trainable variables, in the same order.
+      public_grads: per-example gradients of public data, for privatizers that
+        need them.
+
+    Returns:
+      One gradient per variable: the privatizer's noisy sum divided by
+      `denominator`.
+
+    Raises:
+      ValueError: if the privatizer needs public gradients and none are given.
+    """
+    if self._privatizer.requires_public_grads and public_grads is None:
+      raise ValueError(
+          f'{self._privatizer.name} needs per-example gradients of public '
+          'data; train a model made private with public data '
+          '(tfdpx.keras.make_private)')
+    self._create_dp_weights(var_list)
+    self._was_dp_gradients_called = True
+    state = tf.nest.pack_sequence_as(
+        self._dp_state_structure, [v.read_value() for v in self._dp_state_vars])
+    step = self.dp_steps.read_value()
+    seed = tf.stack([tf.constant(self._secret, tf.int64), step])
+    noisy_sum, new_state = self._privatizer.update(
+        list(per_example_grads), state, seed, public_grads=public_grads)
+    for variable, value in zip(self._dp_state_vars,
+                               tf.nest.flatten(new_state)):
+      variable.assign(value)
+    self.dp_steps.assign_add(1)
+    return [s / tf.cast(self.denominator, s.dtype) for s in noisy_sum]
+
+  # --- Keras hooks -----------------------------------------------------------
+
+  def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+    """Per-record gradients by the Jacobian, then `privatize`."""
+    del grad_loss  # A per-example loss has no upstream gradient.
+    if not callable(loss) and tape is None:
+      raise ValueError('`tape` is required when a `Tensor` loss is passed.')
+    tape = tape if tape is not None else tf.GradientTape()
+    with tape:
+      if callable(loss):
+        if not callable(var_list):
+          tape.watch(var_list)
+        loss = loss()
+      if callable(var_list):
+        var_list = var_list()
+      records = per_example.record_losses(loss, self._num_microbatches)
+    var_list = tf.nest.flatten(var_list)
+    with tf.name_scope(self._name + '/gradients'):
+      grads = per_example.jacobian(tape, records, var_list)
+      final = self.privatize(grads, var_list)
+    return list(zip(final, var_list))
+
+  def get_gradients(self, loss, params):
+    raise NotImplementedError(
+        'tfdpx optimizers run in TF2 (eager or tf.function) through minimize '
+        'or Keras fit; the TF1 get_gradients path is not supported.')
+
+  def get_config(self):
+    config = super().get_config()
+    config.update({
+        'privatizer': core.serialize(self._privatizer),
+        'num_microbatches': self._num_microbatches,
+        'expected_batch_size': self._expected_batch_size,
+        'seed': self._seed,
+    })
+    return config
+
+
+@tf.keras.saving.register_keras_serializable(package='tfdpx')
+class DPSGD(DPOptimizerMixin, tfp_vectorized.VectorizedDPKerasSGDOptimizer):
+  """SGD on privatized gradients. See `DPOptimizerMixin` for the DP arguments."""
+
+
+@tf.keras.saving.register_keras_serializable(package='tfdpx')
+class DPAdam(DPOptimizerMixin, tfp_vectorized.VectorizedDPKerasAdamOptimizer):
+  """Adam on privatized gradients. See `DPOptimizerMixin` for the DP arguments."""
+
+
+@tf.keras.saving.register_keras_serializable(package='tfdpx')
+class DPAdagrad(DPOptimizerMixin,
+                tfp_vectorized.VectorizedDPKerasAdagradOptimizer):
+  """Adagrad on privatized gradients. See `DPOptimizerMixin` for the DP arguments."""
