@@ -10,6 +10,33 @@ from typing import List, Sequence
 
 import tensorflow as tf
 
+# One explicit algorithm: 'auto_select' picks per device.
+_ALG = 'philox'
+
+
+def standard_normal(shape, seed: tf.Tensor) -> tf.Tensor:
+  """N(0, 1) draws of `shape` in float64, equal with and without XLA.
+
+  `tf.random.stateless_normal` gives different numbers under XLA than on the
+  default CPU kernels for the same seed, but the raw Philox bits agree; so
+  the bits are turned into a 53-bit uniform and then into a normal by the
+  inverse CDF here, the same way on every backend.
+
+  Args:
+    shape: output shape (list or 1-D int tensor).
+    seed: int64 `[2]` seed.
+
+  Returns:
+    A float64 tensor of `shape`.
+  """
+  shape = tf.concat([tf.cast(shape, tf.int32), [2]], axis=0)
+  bits = tf.random.stateless_uniform(
+      shape, seed, minval=None, maxval=None, dtype=tf.uint32, alg=_ALG)
+  high = tf.cast(tf.bitwise.right_shift(bits[..., 0], 5), tf.float64)
+  low = tf.cast(tf.bitwise.right_shift(bits[..., 1], 6), tf.float64)
+  uniform = (high * 2.0**26 + low + 0.5) * 2.0**-53  # In (0, 1), never 0 or 1.
+  return tf.math.ndtri(uniform)
+
 
 def substream(seed: tf.Tensor, name: str) -> tf.Tensor:
   """The seed of the named random stream `name` derived from `seed`.
@@ -23,7 +50,7 @@ def substream(seed: tf.Tensor, name: str) -> tf.Tensor:
     An int64 tensor of shape `[2]`.
   """
   label = zlib.crc32(name.encode()) & 0x7FFFFFFF
-  return tf.random.experimental.stateless_fold_in(seed, label)
+  return tf.random.experimental.stateless_fold_in(seed, label, alg=_ALG)
 
 
 def gaussian_like(
@@ -41,9 +68,9 @@ def gaussian_like(
   """
   noise = []
   for i, t in enumerate(tensors):
-    key = tf.random.experimental.stateless_fold_in(seed, i)
-    draw = tf.random.stateless_normal(tf.shape(t), key, dtype=tf.float32)
-    noise.append(tf.cast(draw * tf.cast(stddev, tf.float32), t.dtype))
+    key = tf.random.experimental.stateless_fold_in(seed, i, alg=_ALG)
+    draw = standard_normal(tf.shape(t), key) * tf.cast(stddev, tf.float64)
+    noise.append(tf.cast(draw, t.dtype))
   return noise
 
 
@@ -66,6 +93,7 @@ def gaussian_sum(
     One `[...]` tensor per record tensor.
   """
   sums = [tf.reduce_sum(r, axis=0) for r in records]
-  stddev = tf.cast(l2_norm_clip, tf.float32) * tf.cast(noise_multiplier,
-                                                       tf.float32)
+  # multiply_no_nan: zero noise stays zero for an infinite clip norm.
+  stddev = tf.math.multiply_no_nan(tf.cast(l2_norm_clip, tf.float64),
+                                   tf.cast(noise_multiplier, tf.float64))
   return [s + n for s, n in zip(sums, gaussian_like(sums, stddev, seed))]

@@ -1,0 +1,54 @@
+"""The privatizers (and wrapped combinations) that join the contract suite.
+
+Every privatizer adds a `Case` here. `make(noise_multiplier, l2_norm_clip)`
+builds it with the given effective noise multiplier and clip norm (a
+privatizer without a clip norm ignores it and states its own sensitivity).
+"""
+
+import dataclasses
+from typing import Callable, Optional, Sequence
+
+import tfdpx
+from tfdpx import privatizers
+
+
+def plain_sum(per_example_grads, public_grads=None):
+  del public_grads
+  return [g.numpy().sum(axis=0) for g in per_example_grads]
+
+
+def gaussian_std(privatizer, step, l2_norm_clip):
+  """Per-coordinate noise std for a single Gaussian release of norm C."""
+  return privatizer.dp_event(step).noise_multiplier * l2_norm_clip
+
+
+@dataclasses.dataclass
+class Case:
+  """How the contract suite runs one privatizer.
+
+  Attributes:
+    name: test id.
+    make: `(noise_multiplier, l2_norm_clip) -> Privatizer`.
+    steps: steps at which the checks run (the state is advanced through all
+      earlier steps with the same inputs).
+    noiseless_expected: what `update` returns at zero noise and infinite clip,
+      `(per_example_grads, public_grads) -> list of arrays`.
+    sensitivity: `(l2_norm_clip) -> bound` on the L2 change of the noiseless
+      output when one example is removed.
+    noise_std: `(privatizer, step, l2_norm_clip) -> std` of every output
+      coordinate when all per-example gradients are zero, derived from
+      `dp_event(step)`; `None` skips that step.
+    needs_public: pass public gradients to `update`.
+  """
+  name: str
+  make: Callable[[float, float], tfdpx.Privatizer]
+  steps: Sequence[int] = (0,)
+  noiseless_expected: Callable = plain_sum
+  sensitivity: Callable[[float], float] = lambda c: c
+  noise_std: Callable[..., Optional[float]] = gaussian_std
+  needs_public: bool = False
+
+
+CASES = [
+    Case('gaussian', lambda z, c: privatizers.gaussian(c, z)),
+]

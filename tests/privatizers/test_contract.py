@@ -1,0 +1,148 @@
+"""The contract every privatizer satisfies (DESIGN.md, house rule 5)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdpx
+from tests import stats
+from tests.privatizers.cases import CASES
+
+SHAPES = [(6, 5), (5,), (3, 3, 2, 4)]
+BATCH = 7
+
+
+def _grads(seed, batch=BATCH, shapes=SHAPES, scale=1.0):
+  rng = np.random.default_rng(seed)
+  return [tf.constant(scale * rng.normal(size=(batch,) + s), tf.float32)
+          for s in shapes]
+
+
+def _variables(shapes=SHAPES):
+  return [tf.Variable(tf.zeros(s)) for s in shapes]
+
+
+def _public(case, shapes=SHAPES):
+  return _grads(99, batch=16, shapes=shapes) if case.needs_public else None
+
+
+def _run(case, privatizer, grads, steps, shapes=SHAPES, seed=(3, 0)):
+  """Runs `update` through steps 0..max(steps); returns {step: (out, state)}."""
+  public = _public(case, shapes)
+  state = privatizer.init(_variables(shapes))
+  outputs = {}
+  for step in range(max(steps) + 1):
+    key = tf.constant([seed[0], seed[1] + step], tf.int64)
+    out, state = privatizer.update(grads, state, key, public_grads=public)
+    if step in steps:
+      outputs[step] = ([o.numpy() for o in out], state)
+  return outputs
+
+
+@pytest.fixture(params=CASES, ids=lambda c: c.name)
+def case(request):
+  return request.param
+
+
+def test_config_round_trips_through_json(case):
+  privatizer = case.make(1.1, 0.7)
+  description = json.loads(json.dumps(tfdpx.serialize(privatizer)))
+  rebuilt = tfdpx.deserialize(description)
+  assert rebuilt == privatizer
+  assert rebuilt.config == privatizer.config
+
+
+def test_update_is_pure(case):
+  privatizer = case.make(1.0, 1.0)
+  grads = _grads(0)
+  first = _run(case, privatizer, grads, case.steps)
+  second = _run(case, privatizer, grads, case.steps)
+  other_seed = _run(case, privatizer, grads, case.steps, seed=(4, 0))
+  for step in case.steps:
+    for a, b, c in zip(first[step][0], second[step][0], other_seed[step][0]):
+      np.testing.assert_array_equal(a, b)
+      assert not np.array_equal(a, c)
+
+
+def test_state_keeps_its_structure(case):
+  privatizer = case.make(1.0, 1.0)
+  initial = privatizer.init(_variables())
+  final = _run(case, privatizer, _grads(0), case.steps)[max(case.steps)][1]
+  tf.nest.assert_same_structure(initial, final)
+  for a, b in zip(tf.nest.flatten(initial), tf.nest.flatten(final)):
+    a, b = tf.convert_to_tensor(a), tf.convert_to_tensor(b)
+    assert a.dtype == b.dtype and a.shape == b.shape
+
+
+def test_jit_compile_matches_eager(case):
+  privatizer = case.make(1.0, 1.0)
+  grads = _grads(1)
+  public = _public(case)
+  state = privatizer.init(_variables())
+  compiled = tf.function(
+      lambda g, s, k, p: privatizer.update(g, s, k, public_grads=p),
+      jit_compile=True)
+  for step in range(max(case.steps) + 1):
+    key = tf.constant([5, step], tf.int64)
+    eager_out, eager_state = privatizer.update(grads, state, key,
+                                               public_grads=public)
+    xla_out, _ = compiled(grads, state, key, public)
+    if step in case.steps:
+      for a, b in zip(eager_out, xla_out):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-5)
+    state = eager_state
+
+
+def test_zero_noise_infinite_clip_gives_the_noiseless_result(case):
+  privatizer = case.make(0.0, math.inf)
+  grads = _grads(2)
+  expected = case.noiseless_expected(grads, _public(case))
+  for step, (out, _) in _run(case, privatizer, grads, case.steps).items():
+    for a, b in zip(out, expected):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5,
+                                 err_msg=f'step {step}')
+
+
+def test_removing_one_example_moves_the_sum_by_at_most_the_sensitivity(case):
+  l2_norm_clip = 0.5
+  privatizer = case.make(0.0, l2_norm_clip)
+  grads = _grads(3, scale=100.0)  # Far above the clip norm.
+  full = _run(case, privatizer, grads, case.steps)
+  bound = case.sensitivity(l2_norm_clip) * (1 + 1e-5)
+  for i in range(BATCH):
+    fewer = [tf.concat([g[:i], g[i + 1:]], axis=0) for g in grads]
+    for step, (out, _) in _run(case, privatizer, fewer, case.steps).items():
+      diff = math.sqrt(sum(np.sum(np.square(a - b))
+                           for a, b in zip(out, full[step][0])))
+      assert diff <= bound, (step, i, diff, bound)
+
+
+def test_noise_std_is_what_the_event_claims(case):
+  """Two-sided: measured std equals the claim, and 3% more or less fails."""
+  noise_multiplier, l2_norm_clip = 1.3, 0.8
+  privatizer = case.make(noise_multiplier, l2_norm_clip)
+  shapes = [(300, 200), (100,)]
+  zeros = [tf.zeros((4,) + s) for s in shapes]
+  outputs = _run(case, privatizer, zeros, case.steps, shapes=shapes)
+  checked = 0
+  for step, (out, _) in outputs.items():
+    expected = case.noise_std(privatizer, step, l2_norm_clip)
+    if expected is None:
+      continue
+    samples = np.concatenate([o.ravel() for o in out])
+    assert stats.relative_tolerance(samples.size) < 0.02
+    assert stats.std_matches(samples, expected), (step, samples.std(), expected)
+    assert not stats.std_matches(samples, expected * 1.03)
+    assert not stats.std_matches(samples, expected / 1.03)
+    checked += 1
+  assert checked, 'no step of this case has a noise check'
+
+
+def test_accountant_accepts_the_events(case):
+  privatizer = case.make(1.0, 1.0)
+  eps = tfdpx.accounting.epsilon(privatizer, steps=max(case.steps) + 20,
+                                 sampling_probability=0.01, delta=1e-5)
+  assert 0 < eps < math.inf
