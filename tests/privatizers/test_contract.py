@@ -124,7 +124,7 @@ def test_noise_std_is_what_the_event_claims(case):
   """Two-sided: measured std equals the claim, and 3% more or less fails."""
   noise_multiplier, l2_norm_clip = 1.3, 0.8
   privatizer = case.make(noise_multiplier, l2_norm_clip)
-  shapes = [(300, 200), (100,)]
+  shapes = [(300, 300), (100,)]
   zeros = [tf.zeros((4,) + s) for s in shapes]
   outputs = _run(case, privatizer, zeros, case.steps, shapes=shapes)
   checked = 0
@@ -133,7 +133,7 @@ def test_noise_std_is_what_the_event_claims(case):
     if expected is None:
       continue
     samples = np.concatenate([o.ravel() for o in out])
-    assert stats.relative_tolerance(samples.size) < 0.02
+    assert stats.relative_tolerance(samples.size) < 0.012
     assert stats.std_matches(samples, expected), (step, samples.std(), expected)
     assert not stats.std_matches(samples, expected * 1.03)
     assert not stats.std_matches(samples, expected / 1.03)

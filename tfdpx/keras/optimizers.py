@@ -16,7 +16,7 @@ from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras_vectorized 
 from tfdpx import accounting
 from tfdpx import core
 from tfdpx import per_example
-from tfdpx.privatizers import gaussian as gaussian_lib
+from tfdpx.privatizers.gaussian import Gaussian
 
 _REFUSED_KWARGS = ('clipnorm', 'clipvalue', 'global_clipnorm')
 
@@ -81,7 +81,7 @@ class DPOptimizerMixin:
       if l2_norm_clip is None or noise_multiplier is None:
         raise ValueError(
             'pass privatizer=..., or both l2_norm_clip and noise_multiplier')
-      privatizer = gaussian_lib.gaussian(l2_norm_clip, noise_multiplier)
+      privatizer = Gaussian(l2_norm_clip, noise_multiplier)
     elif l2_norm_clip is not None or noise_multiplier is not None:
       raise ValueError(
           'l2_norm_clip and noise_multiplier belong to the privatizer; do not '

@@ -1,0 +1,232 @@
+"""tfdpx Keras optimizers through `model.compile` / `fit` (the Jacobian path)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras_vectorized as tfp_vectorized
+
+import tfdpx
+from tests import stats
+from tfdpx import noise
+from tfdpx.privatizers import gaussian
+
+NONE = tf.keras.losses.Reduction.NONE
+
+
+def _data(n=32, features=5, seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(n, features)).astype('float32')
+  y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype('int32')
+  return x, y
+
+
+def _mlp(seed=0, features=5):
+  tf.keras.utils.set_random_seed(seed)
+  return tf.keras.Sequential([
+      tf.keras.layers.Dense(4, activation='tanh', input_shape=(features,)),
+      tf.keras.layers.Dense(2),
+  ])
+
+
+def _loss(reduction=NONE):
+  return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                       reduction=reduction)
+
+
+@pytest.mark.parametrize('jit_compile', [False, True])
+@pytest.mark.parametrize('dp_class, base_class', [
+    (tfdpx.keras.DPSGD, tf.keras.optimizers.legacy.SGD),
+    (tfdpx.keras.DPAdam, tf.keras.optimizers.legacy.Adam),
+    (tfdpx.keras.DPAdagrad, tf.keras.optimizers.legacy.Adagrad),
+])
+def test_no_noise_and_no_clip_gives_the_plain_optimizer(jit_compile, dp_class,
+                                                         base_class):
+  x, y = _data()
+  private, plain = _mlp(), _mlp()
+  private.compile(
+      dp_class(privatizer=gaussian(1e9, 0.0), expected_batch_size=8,
+               learning_rate=0.1), _loss(), jit_compile=jit_compile)
+  plain.compile(base_class(learning_rate=0.1), _loss('sum_over_batch_size'))
+  private.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+  plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+  for a, b in zip(private.get_weights(), plain.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert not np.allclose(private.get_weights()[0], _mlp().get_weights()[0])
+
+
+class _MisScaledGaussian(tfdpx.privatizers.Gaussian):
+  """Adds 3% more noise than its event claims: the check below must catch it."""
+
+  def update(self, per_example_grads, state, seed, *, public_grads=None):
+    clipped = [g * 0 for g in per_example_grads]
+    return noise.gaussian_sum(clipped, self.config['l2_norm_clip'],
+                              1.03 * self.noise_multiplier, seed), state
+
+
+class _ZeroLoss(tf.keras.losses.Loss):
+  """A per-example loss whose gradient is exactly zero."""
+
+  def call(self, y_true, y_pred):
+    return tf.reduce_sum(0.0 * y_pred, axis=-1)
+
+
+def _pure_noise_update(privatizer, steps, batch, lr):
+  """Weight change of `steps` SGD steps whose per-example gradients are zero."""
+  tf.keras.utils.set_random_seed(1)
+  model = tf.keras.Sequential([tf.keras.layers.Dense(1000, input_shape=(100,))])
+  zero_loss = _ZeroLoss(reduction=NONE)
+  model.compile(tfdpx.keras.DPSGD(privatizer=privatizer,
+                                  expected_batch_size=batch, learning_rate=lr,
+                                  seed=7), zero_loss)
+  before = np.concatenate([w.ravel() for w in model.get_weights()])
+  x = np.ones((steps * batch, 100), 'float32')
+  model.fit(x, np.zeros(steps * batch), batch_size=batch, epochs=1, verbose=0)
+  after = np.concatenate([w.ravel() for w in model.get_weights()])
+  return after - before
+
+
+def test_zero_gradients_give_noise_of_the_claimed_std():
+  lr, z, c, batch, steps = 0.1, 1.3, 0.8, 8, 1
+  expected = np.sqrt(steps) * lr * z * c / batch
+  delta = _pure_noise_update(gaussian(c, z), steps, batch, lr)
+  assert stats.relative_tolerance(delta.size) < 0.012
+  assert stats.std_matches(delta, expected)
+  # Two-sided: a step that claims 3% less or more noise is rejected.
+  assert not stats.std_matches(delta, expected * 1.03)
+  assert not stats.std_matches(delta, expected / 1.03)
+
+
+def test_noise_of_a_wrong_scale_is_detected():
+  lr, z, c, batch, steps = 0.1, 1.3, 0.8, 8, 1
+  expected = np.sqrt(steps) * lr * z * c / batch
+  delta = _pure_noise_update(_MisScaledGaussian(c, z), steps, batch, lr)
+  assert not stats.std_matches(delta, expected)
+
+
+def test_checkpoint_restores_optimizer_and_privatizer_state(tmp_path):
+  x, y = _data(n=64)
+
+  def make():
+    model = _mlp()
+    optimizer = tfdpx.keras.DPAdam(l2_norm_clip=0.5, noise_multiplier=1.0,
+                                   expected_batch_size=16, learning_rate=0.05,
+                                   seed=11)
+    model.compile(optimizer, _loss())
+    return model, optimizer
+
+  model, optimizer = make()
+  model.fit(x[:32], y[:32], batch_size=16, shuffle=False, verbose=0)
+  path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(
+      str(tmp_path / 'ckpt'))
+  model.fit(x[32:], y[32:], batch_size=16, shuffle=False, verbose=0)
+  uninterrupted = model.get_weights()
+
+  resumed, resumed_optimizer = make()
+  tf.train.Checkpoint(model=resumed, optimizer=resumed_optimizer).restore(
+      path).expect_partial()
+  resumed.fit(x[32:], y[32:], batch_size=16, shuffle=False, verbose=0)
+  assert int(resumed_optimizer.dp_steps.numpy()) == 4
+  for a, b in zip(uninterrupted, resumed.get_weights()):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_config_round_trips_with_the_privacy_arguments():
+  optimizer = tfdpx.keras.DPAdam(
+      privatizer=gaussian(0.7, 1.2), expected_batch_size=64, seed=3,
+      learning_rate=0.01, beta_1=0.8)
+  rebuilt = tfdpx.keras.DPAdam.from_config(optimizer.get_config())
+  assert rebuilt.privatizer == optimizer.privatizer
+  assert rebuilt.get_config() == optimizer.get_config()
+  assert rebuilt.denominator == 64
+  deserialized = tf.keras.optimizers.deserialize(
+      tf.keras.optimizers.serialize(optimizer), use_legacy_optimizer=True)
+  assert isinstance(deserialized, tfdpx.keras.DPAdam)
+  assert deserialized.get_config() == optimizer.get_config()
+
+
+def test_secret_seed_stays_out_of_the_config():
+  optimizer = tfdpx.keras.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                expected_batch_size=8)
+  assert optimizer.get_config()['seed'] is None
+
+
+def test_is_a_tensorflow_privacy_optimizer():
+  args = dict(l2_norm_clip=1.0, noise_multiplier=1.0, num_microbatches=8)
+  assert isinstance(tfdpx.keras.DPSGD(**args),
+                    tfp_vectorized.VectorizedDPKerasSGDOptimizer)
+  assert isinstance(tfdpx.keras.DPAdam(**args),
+                    tfp_vectorized.VectorizedDPKerasAdamOptimizer)
+  assert isinstance(tfdpx.keras.DPAdagrad(**args),
+                    tfp_vectorized.VectorizedDPKerasAdagradOptimizer)
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    ({'clipnorm': 1.0}, 'clipnorm'),
+    ({'clipvalue': 1.0}, 'clipvalue'),
+    ({'global_clipnorm': 1.0}, 'global_clipnorm'),
+    ({'l2_norm_clip': 1.0, 'noise_multiplier': 1.0}, 'expected_batch_size'),
+    ({'l2_norm_clip': 1.0, 'expected_batch_size': 8}, 'noise_multiplier'),
+    ({'privatizer': gaussian(1, 1), 'l2_norm_clip': 1.0,
+      'expected_batch_size': 8}, 'l2_norm_clip'),
+    ({'l2_norm_clip': -1.0, 'noise_multiplier': 1.0,
+      'expected_batch_size': 8}, 'l2_norm_clip'),
+    ({'l2_norm_clip': 1.0, 'noise_multiplier': 1.0,
+      'expected_batch_size': 0}, 'expected_batch_size'),
+    ({'l2_norm_clip': 1.0, 'noise_multiplier': 1.0, 'num_microbatches': 0},
+     'num_microbatches'),
+])
+def test_bad_arguments_are_refused_by_name(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    tfdpx.keras.DPSGD(**kwargs)
+
+
+def test_scalar_loss_gets_an_error_that_says_how_to_fix_it():
+  x, y = _data()
+  model = _mlp()
+  model.compile(tfdpx.keras.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                  expected_batch_size=8),
+                _loss('sum_over_batch_size'))
+  with pytest.raises(ValueError, match='reduction=tf.keras.losses.Reduction.NONE'):
+    model.fit(x, y, batch_size=8, verbose=0)
+
+
+def test_microbatches_double_the_sensitivity_in_the_event():
+  per_record = tfdpx.keras.DPSGD(l2_norm_clip=1.0, noise_multiplier=2.0,
+                                 num_microbatches=8, expected_batch_size=8)
+  microbatched = tfdpx.keras.DPSGD(l2_norm_clip=1.0, noise_multiplier=2.0,
+                                   num_microbatches=4, expected_batch_size=8)
+  assert per_record.dp_event(0).noise_multiplier == 2.0
+  assert microbatched.dp_event(0).noise_multiplier == 1.0
+  assert microbatched.denominator == 4
+
+
+def test_microbatched_fit_matches_the_mean_of_microbatch_means():
+  x, y = _data(n=8)
+  private, plain = _mlp(), _mlp()
+  private.compile(tfdpx.keras.DPSGD(privatizer=gaussian(1e9, 0.0),
+                                    num_microbatches=4, learning_rate=0.1),
+                  _loss())
+  plain.compile(tf.keras.optimizers.legacy.SGD(0.1),
+                _loss('sum_over_batch_size'))
+  private.fit(x, y, batch_size=8, epochs=1, verbose=0)
+  plain.fit(x, y, batch_size=8, epochs=1, verbose=0)
+  for a, b in zip(private.get_weights(), plain.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_privacy_callback_logs_the_epsilon_of_the_steps_taken():
+  x, y = _data(n=32)
+  model = _mlp()
+  optimizer = tfdpx.keras.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.1,
+                                expected_batch_size=8, learning_rate=0.1)
+  model.compile(optimizer, _loss())
+  callback = tfdpx.keras.PrivacyCallback(sampling_probability=8 / 32,
+                                         delta=1e-5)
+  history = model.fit(x, y, batch_size=8, epochs=2, verbose=0,
+                      callbacks=[callback])
+  for epoch, logged in enumerate(history.history['epsilon']):
+    expected = tfdpx.accounting.epsilon(
+        gaussian(1.0, 1.1), steps=4 * (epoch + 1), sampling_probability=0.25,
+        delta=1e-5)
+    assert logged == pytest.approx(expected, rel=1e-12)
+  assert history.history['epsilon'][1] > history.history['epsilon'][0]
