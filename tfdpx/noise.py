@@ -1,8 +1,13 @@
-"""Gaussian noise: the only place tfdpx draws noise.
+"""Sums over the batch and Gaussian noise: the only place tfdpx draws noise.
 
-All draws are `tf.random.stateless_normal`, keyed by the step's seed, a named
+All draws come from stateless Philox bits keyed by the step's seed, a named
 stream and the variable index, so a privatizer stays a pure function and two
 releases of one step never share a draw.
+
+Under a `tf.distribute` strategy every replica sums its own examples, the sums
+are all-reduced (`batch_sum`), and every replica then draws the same noise from
+the same seed: the noise of a step is added once to the global sum, never once
+per replica.
 """
 
 import zlib
@@ -74,6 +79,25 @@ def gaussian_like(
   return noise
 
 
+def batch_sum(records: Sequence[tf.Tensor]) -> List[tf.Tensor]:
+  """Sum over the batch axis of each tensor, and over replicas when distributed.
+
+  Every privatizer sums its (clipped) per-example records with this function,
+  so that under `tf.distribute` the sum covers the global batch.
+
+  Args:
+    records: one `[B, ...]` tensor per variable (or per released part).
+
+  Returns:
+    One `[...]` tensor per input, identical on every replica.
+  """
+  sums = [tf.reduce_sum(r, axis=0) for r in records]
+  context = tf.distribute.get_replica_context()
+  if context is not None and context.num_replicas_in_sync > 1:
+    sums = context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
+  return sums
+
+
 def gaussian_sum(
     records: Sequence[tf.Tensor], l2_norm_clip, noise_multiplier, seed: tf.Tensor
 ) -> List[tf.Tensor]:
@@ -92,7 +116,7 @@ def gaussian_sum(
   Returns:
     One `[...]` tensor per record tensor.
   """
-  sums = [tf.reduce_sum(r, axis=0) for r in records]
+  sums = batch_sum(records)
   # multiply_no_nan: zero noise stays zero for an infinite clip norm.
   stddev = tf.math.multiply_no_nan(tf.cast(l2_norm_clip, tf.float64),
                                    tf.cast(noise_multiplier, tf.float64))

@@ -185,7 +185,8 @@ class DPOptimizerMixin:
 
     Returns:
       One gradient per variable: the privatizer's noisy sum divided by
-      `denominator`.
+      `denominator` (and, under `tf.distribute`, by the number of replicas,
+      since `apply_gradients` sums the replicas' identical shares).
 
     Raises:
       ValueError: if the privatizer needs public gradients and none are given.
@@ -207,7 +208,12 @@ class DPOptimizerMixin:
                                tf.nest.flatten(new_state)):
       variable.assign(value)
     self.dp_steps.assign_add(1)
-    return [s / tf.cast(self.denominator, s.dtype) for s in noisy_sum]
+    # Under tf.distribute every replica holds the same global noisy sum, and
+    # apply_gradients sums the replicas' gradients: each returns its share.
+    context = tf.distribute.get_replica_context()
+    replicas = context.num_replicas_in_sync if context is not None else 1
+    return [s / tf.cast(self.denominator * replicas, s.dtype)
+            for s in noisy_sum]
 
   # --- Keras hooks -----------------------------------------------------------
 

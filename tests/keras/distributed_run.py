@@ -1,0 +1,83 @@
+"""Runs DP training under MirroredStrategy on two logical CPUs; prints JSON.
+
+Logical devices must be configured before TensorFlow initializes its devices,
+so tests run this module in a fresh process:
+`python -m tests.keras.distributed_run MODE`.
+"""
+
+import json
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+cpu = tf.config.list_physical_devices('CPU')[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+import tfdpx  # pylint: disable=g-import-not-at-top
+from tfdpx.privatizers import gaussian  # pylint: disable=g-import-not-at-top
+
+NONE = tf.keras.losses.Reduction.NONE
+GLOBAL_BATCH = 8
+
+
+class ZeroLoss(tf.keras.losses.Loss):
+  """A per-example loss whose gradient is exactly zero."""
+
+  def call(self, y_true, y_pred):
+    return tf.reduce_sum(0.0 * y_pred, axis=-1)
+
+
+def _fit(strategy, privatizer, loss, x, y, units, lr=0.1):
+  with strategy.scope():
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.Sequential(
+        [tf.keras.layers.Dense(units, activation='tanh',
+                               input_shape=(x.shape[1],)),
+         tf.keras.layers.Dense(2)])
+    optimizer = tfdpx.keras.DPSGD(privatizer=privatizer,
+                                  expected_batch_size=GLOBAL_BATCH,
+                                  learning_rate=lr, seed=5)
+    model.compile(optimizer, loss)
+  before = [w.numpy() for w in model.weights]
+  model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+  replicas_agree = all(
+      all(np.array_equal(r[0].numpy(), other.numpy()) for other in r[1:])
+      for r in (strategy.experimental_local_results(v)
+                for v in model.weights + optimizer.weights))
+  return model, before, replicas_agree, int(optimizer.dp_steps.numpy())
+
+
+def noise(units=1000):
+  """Weight change of one step with zero per-example gradients."""
+  strategy = tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:1'])
+  x = np.ones((GLOBAL_BATCH, 100), 'float32')
+  model, before, agree, steps = _fit(strategy, gaussian(0.8, 1.3),
+                                     ZeroLoss(reduction=NONE), x,
+                                     np.zeros(GLOBAL_BATCH), units)
+  delta = np.concatenate([(w.numpy() - b).ravel()
+                          for w, b in zip(model.weights, before)])
+  return {'delta': delta.tolist(), 'replicas_agree': agree, 'dp_steps': steps}
+
+
+def noiseless():
+  """Distributed vs single-device weights at zero noise, same global batch."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(4 * GLOBAL_BATCH, 5)).astype('float32')
+  y = (x[:, 0] > 0).astype('int32')
+  loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                       reduction=NONE)
+  privatizer = gaussian(0.1, 0.0)  # Clipping active, no noise.
+  results = {}
+  for name, strategy in [
+      ('mirrored', tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:1'])),
+      ('single', tf.distribute.OneDeviceStrategy('/cpu:0'))]:
+    model, _, agree, _ = _fit(strategy, privatizer, loss, x, y, units=4)
+    results[name] = [w.numpy().tolist() for w in model.weights]
+    results[name + '_replicas_agree'] = agree
+  return results
+
+
+if __name__ == '__main__':
+  print(json.dumps({'noise': noise, 'noiseless': noiseless}[sys.argv[1]]()))

@@ -1,0 +1,42 @@
+"""DP training under tf.distribute: noise once per global step, replicas agree."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from tests import stats
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+
+
+def _run(mode):
+  out = subprocess.run(
+      [sys.executable, '-m', 'tests.keras.distributed_run', mode], cwd=ROOT,
+      capture_output=True, text=True, check=True,
+      env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'})
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_noise_is_added_once_per_global_step():
+  result = _run('noise')
+  delta = np.asarray(result['delta'])
+  lr, z, c, global_batch = 0.1, 1.3, 0.8, 8
+  expected = lr * z * c / global_batch
+  assert stats.relative_tolerance(delta.size) < 0.012
+  assert stats.std_matches(delta, expected)
+  # Noise per replica (summed: sqrt(2) or 2 times) or averaged away (1/sqrt(2)
+  # or 1/2) is rejected.
+  for wrong in (np.sqrt(2), 2.0, 1 / np.sqrt(2), 0.5):
+    assert not stats.std_matches(delta, expected * wrong)
+  assert result['replicas_agree']
+  assert result['dp_steps'] == 1
+
+
+def test_distributed_update_equals_single_device_update_without_noise():
+  result = _run('noiseless')
+  for a, b in zip(result['mirrored'], result['single']):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert result['mirrored_replicas_agree']
