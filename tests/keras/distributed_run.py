@@ -2,11 +2,10 @@
 
 Logical devices must be configured before TensorFlow initializes its devices,
 so tests run this module in a fresh process:
-`python -m tests.keras.distributed_run MODE`.
+`python -m tests.keras.distributed_run`.
 """
 
 import json
-import sys
 
 import numpy as np
 import tensorflow as tf
@@ -16,6 +15,7 @@ tf.config.set_logical_device_configuration(
     cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
 import tfdpx  # pylint: disable=g-import-not-at-top
+from tests.privatizers.cases import CASES  # pylint: disable=g-import-not-at-top
 from tfdpx.privatizers import gaussian  # pylint: disable=g-import-not-at-top
 
 NONE = tf.keras.losses.Reduction.NONE
@@ -27,6 +27,19 @@ class ZeroLoss(tf.keras.losses.Loss):
 
   def call(self, y_true, y_pred):
     return tf.reduce_sum(0.0 * y_pred, axis=-1)
+
+
+def _data(n):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(n, 5)).astype('float32')
+  return x, (x[:, 0] > 0).astype('int32')
+
+
+# One strategy for every run: separate MirroredStrategy objects in one process
+# can reuse collective instance keys.
+MIRRORED = tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:1'])
+LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                     reduction=NONE)
 
 
 def _fit(strategy, privatizer, loss, x, y, units, lr=0.1):
@@ -51,9 +64,8 @@ def _fit(strategy, privatizer, loss, x, y, units, lr=0.1):
 
 def noise(units=1000):
   """Weight change of one step with zero per-example gradients."""
-  strategy = tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:1'])
   x = np.ones((GLOBAL_BATCH, 100), 'float32')
-  model, before, agree, steps = _fit(strategy, gaussian(0.8, 1.3),
+  model, before, agree, steps = _fit(MIRRORED, gaussian(0.8, 1.3),
                                      ZeroLoss(reduction=NONE), x,
                                      np.zeros(GLOBAL_BATCH), units)
   delta = np.concatenate([(w.numpy() - b).ravel()
@@ -63,21 +75,25 @@ def noise(units=1000):
 
 def noiseless():
   """Distributed vs single-device weights at zero noise, same global batch."""
-  rng = np.random.default_rng(0)
-  x = rng.normal(size=(4 * GLOBAL_BATCH, 5)).astype('float32')
-  y = (x[:, 0] > 0).astype('int32')
-  loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
-                                                       reduction=NONE)
+  x, y = _data(4 * GLOBAL_BATCH)
   privatizer = gaussian(0.1, 0.0)  # Clipping active, no noise.
   results = {}
   for name, strategy in [
-      ('mirrored', tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:1'])),
+      ('mirrored', MIRRORED),
       ('single', tf.distribute.OneDeviceStrategy('/cpu:0'))]:
-    model, _, agree, _ = _fit(strategy, privatizer, loss, x, y, units=4)
+    model, _, agree, _ = _fit(strategy, privatizer, LOSS, x, y, units=4)
     results[name] = [w.numpy().tolist() for w in model.weights]
     results[name + '_replicas_agree'] = agree
   return results
 
 
+def agree():
+  """For every privatizer: do replicas hold identical weights and state?"""
+  x, y = _data(3 * GLOBAL_BATCH)
+  return {case.name: _fit(MIRRORED, case.make(1.0, 1.0), LOSS, x, y, 4)[2]
+          for case in CASES if not case.needs_public}
+
+
 if __name__ == '__main__':
-  print(json.dumps({'noise': noise, 'noiseless': noiseless}[sys.argv[1]]()))
+  print(json.dumps({'noise': noise(), 'noiseless': noiseless(),
+                    'agree': agree()}))

@@ -6,22 +6,24 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests import stats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
-def _run(mode):
+@pytest.fixture(scope='module')
+def runs():
   out = subprocess.run(
-      [sys.executable, '-m', 'tests.keras.distributed_run', mode], cwd=ROOT,
+      [sys.executable, '-m', 'tests.keras.distributed_run'], cwd=ROOT,
       capture_output=True, text=True, check=True,
       env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'})
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_noise_is_added_once_per_global_step():
-  result = _run('noise')
+def test_noise_is_added_once_per_global_step(runs):
+  result = runs['noise']
   delta = np.asarray(result['delta'])
   lr, z, c, global_batch = 0.1, 1.3, 0.8, 8
   expected = lr * z * c / global_batch
@@ -35,8 +37,12 @@ def test_noise_is_added_once_per_global_step():
   assert result['dp_steps'] == 1
 
 
-def test_distributed_update_equals_single_device_update_without_noise():
-  result = _run('noiseless')
+def test_distributed_update_equals_single_device_update_without_noise(runs):
+  result = runs['noiseless']
   for a, b in zip(result['mirrored'], result['single']):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   assert result['mirrored_replicas_agree']
+
+
+def test_replicas_agree_for_every_privatizer(runs):
+  assert runs['agree'] and all(runs['agree'].values()), runs['agree']
