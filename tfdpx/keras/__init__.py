@@ -1,5 +1,6 @@
 """Keras integration: DP optimizers and callbacks."""
 
+from tfdpx.keras.callbacks import EpsilonBudget
 from tfdpx.keras.callbacks import PrivacyCallback
 from tfdpx.keras.optimizers import DPAdagrad
 from tfdpx.keras.optimizers import DPAdam

@@ -37,3 +37,39 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
       logs['epsilon'] = accounting.epsilon(
           optimizer, sampling_probability=self.sampling_probability,
           delta=self.delta)
+
+
+class EpsilonBudget(tf.keras.callbacks.Callback):
+  """Stops training before the next step would take epsilon above a budget.
+
+  After every batch it computes the epsilon of one more step (from the
+  optimizer's `dp_steps` and events); if that exceeds `target_epsilon`, it
+  sets `model.stop_training`, so the reported epsilon never exceeds the budget.
+  """
+
+  def __init__(self, target_epsilon: float, *, sampling_probability: float,
+               delta: float):
+    super().__init__()
+    if not target_epsilon > 0:
+      raise ValueError(f'target_epsilon must be > 0, got {target_epsilon!r}')
+    self.target_epsilon = target_epsilon
+    self.sampling_probability = sampling_probability
+    self.delta = delta
+    self.stopped_at_step = None
+
+  def _next_step_exceeds(self):
+    optimizer = self.model.optimizer
+    steps = int(optimizer.dp_steps.numpy()) + 1
+    return accounting.epsilon(
+        optimizer, steps=steps, sampling_probability=self.sampling_probability,
+        delta=self.delta) > self.target_epsilon
+
+  def on_train_begin(self, logs=None):
+    if self._next_step_exceeds():
+      raise ValueError('the privacy budget target_epsilon='
+                       f'{self.target_epsilon} is already spent')
+
+  def on_train_batch_end(self, batch, logs=None):
+    if self._next_step_exceeds():
+      self.model.stop_training = True
+      self.stopped_at_step = int(self.model.optimizer.dp_steps.numpy())

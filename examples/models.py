@@ -1,0 +1,67 @@
+"""The papers' architectures, sized by the input shape."""
+
+import tensorflow as tf
+
+layers = tf.keras.layers
+
+
+def tutorial_cnn(input_shape, num_classes=10):
+  """tensorflow-privacy's MNIST tutorial CNN (used by every paper's MNIST runs)."""
+  return tf.keras.Sequential([
+      layers.Conv2D(16, 8, strides=2, padding='same', activation='relu',
+                    input_shape=input_shape),
+      layers.MaxPool2D(2, 1),
+      layers.Conv2D(32, 4, strides=2, padding='valid', activation='relu'),
+      layers.MaxPool2D(2, 1),
+      layers.Flatten(),
+      layers.Dense(32, activation='relu'),
+      layers.Dense(num_classes),
+  ], name='tutorial_cnn')
+
+
+def tanh_cnn(input_shape, num_classes=10, groups=8):
+  """The tanh CNN of Papernot et al. / Tramer & Boneh used for CIFAR-10.
+
+  Three blocks of two 3x3 convolutions (32, 64, 128 filters) with GroupNorm and
+  tanh, max-pooling after each block, then Dense 128 and the classifier (the
+  specs' reading of the papers' "5-layer CNN"; GroupNorm groups are a free
+  choice).
+  """
+  model = tf.keras.Sequential(name='tanh_cnn')
+  model.add(layers.InputLayer(input_shape=input_shape))
+  for filters in (32, 64, 128):
+    for _ in range(2):
+      model.add(layers.Conv2D(filters, 3, padding='same'))
+      model.add(layers.GroupNormalization(min(groups, filters)))
+      model.add(layers.Activation('tanh'))
+    model.add(layers.MaxPool2D(2))
+  model.add(layers.Flatten())
+  model.add(layers.Dense(128, activation='tanh'))
+  model.add(layers.Dense(num_classes))
+  return model
+
+
+def resnet_gn(input_shape, num_classes=10, widths=(16, 32, 64), groups=8):
+  """A small ResNet (one basic block per stage) with GroupNorm, no BatchNorm."""
+
+  def norm_act(t, filters):
+    t = layers.GroupNormalization(min(groups, filters))(t)
+    return layers.Activation('relu')(t)
+
+  inputs = tf.keras.Input(input_shape)
+  t = norm_act(layers.Conv2D(widths[0], 3, padding='same')(inputs), widths[0])
+  for i, filters in enumerate(widths):
+    stride = 1 if i == 0 else 2
+    shortcut = t
+    t = norm_act(layers.Conv2D(filters, 3, stride, padding='same')(t), filters)
+    t = layers.GroupNormalization(min(groups, filters))(
+        layers.Conv2D(filters, 3, padding='same')(t))
+    if stride != 1 or shortcut.shape[-1] != filters:
+      shortcut = layers.Conv2D(filters, 1, stride)(shortcut)
+    t = layers.Activation('relu')(layers.Add()([t, shortcut]))
+  t = layers.GlobalAveragePooling2D()(t)
+  return tf.keras.Model(inputs, layers.Dense(num_classes)(t), name='resnet_gn')
+
+
+MODELS = {'tutorial_cnn': tutorial_cnn, 'tanh_cnn': tanh_cnn,
+          'resnet_gn': resnet_gn}

