@@ -26,8 +26,6 @@ from tfdpx import sampling
 FLAGS = flags.FLAGS
 
 flags.DEFINE_enum('privatizer', 'gaussian', ['gaussian'], 'The noise step.')
-flags.DEFINE_bool('sparsify', False,
-                  'Wrap the noise step in random sparsification.')
 flags.DEFINE_enum('dataset', 'mnist5k', datasets.OFFLINE + datasets.TFDS,
                   'Dataset.')
 flags.DEFINE_enum('model', 'tutorial_cnn', sorted(models.MODELS),
@@ -40,10 +38,11 @@ flags.DEFINE_enum('optimizer', 'sgd', ['sgd', 'adam', 'adagrad'],
 flags.DEFINE_float('momentum', 0.0, 'SGD momentum.')
 flags.DEFINE_float('l2_norm_clip', 1.0, 'Per-example clip norm.')
 flags.DEFINE_float('noise_multiplier', None,
-                   'Effective noise multiplier of a step; or --target_epsilon.')
+                   'Effective noise multiplier of a step. Unset: calibrated '
+                   'to --target_epsilon.')
 flags.DEFINE_float('target_epsilon', None,
-                   'Calibrate the noise multiplier to this epsilon, and stop '
-                   'before epsilon would exceed it.')
+                   'Privacy budget: training stops before epsilon would '
+                   'exceed it (and it calibrates an unset --noise_multiplier).')
 flags.DEFINE_float('delta', 1e-5, 'Target delta.')
 flags.DEFINE_enum('sampling', 'shuffle', ['shuffle', 'poisson'],
                   'Batches from a shuffled pass, or Poisson sampling (the '
@@ -58,6 +57,8 @@ flags.DEFINE_integer('seed', None,
 flags.DEFINE_string('checkpoint_dir', None,
                     'Save after every epoch and resume from here.')
 flags.DEFINE_string('export_dir', None, 'Write a SavedModel here at the end.')
+flags.DEFINE_integer('train_examples', None,
+                     'Use only this many training examples (smoke runs).')
 flags.DEFINE_integer('verbose', 2, 'Keras fit verbosity.')
 
 
@@ -100,11 +101,15 @@ def run(argv=None):
   if argv is not None:
     FLAGS.unparse_flags()
     FLAGS(argv)
-  if (FLAGS.noise_multiplier is None) == (FLAGS.target_epsilon is None):
-    raise ValueError('pass exactly one of --noise_multiplier, --target_epsilon')
+  if FLAGS.noise_multiplier is None and FLAGS.target_epsilon is None:
+    raise ValueError('pass --noise_multiplier or --target_epsilon (or both: '
+                     'then training stops before epsilon exceeds the target)')
   secret = int.from_bytes(os.urandom(4), 'little')
   seed = FLAGS.seed if FLAGS.seed is not None else secret
   x_train, y_train, x_test, y_test, num_classes = datasets.load(FLAGS.dataset)
+  if FLAGS.train_examples:
+    x_train, y_train = (x_train[:FLAGS.train_examples],
+                        y_train[:FLAGS.train_examples])
   n = len(x_train)
   q = FLAGS.batch_size / n
   if FLAGS.sampling == 'poisson':

@@ -72,7 +72,9 @@ def poisson_batches(x, y, *, sampling_probability: float, steps: int,
       tf.TensorSpec((size,) + y.shape[1:], tf.as_dtype(y.dtype)),
       tf.TensorSpec((size,), tf.float32),
   )
-  return tf.data.Dataset.from_generator(generate, output_signature=signature)
+  dataset = tf.data.Dataset.from_generator(generate,
+                                           output_signature=signature)
+  return dataset.apply(tf.data.experimental.assert_cardinality(steps))
 
 
 def steps_per_epoch(num_examples: int, expected_batch_size: float) -> int:

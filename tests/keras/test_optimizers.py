@@ -230,3 +230,18 @@ def test_privacy_callback_logs_the_epsilon_of_the_steps_taken():
         delta=1e-5)
     assert logged == pytest.approx(expected, rel=1e-12)
   assert history.history['epsilon'][1] > history.history['epsilon'][0]
+
+
+def test_a_step_without_data_does_not_count():
+  """Keras runs one more step at the end of a dataset of unknown length."""
+  x, y = _data(n=24)
+  model = _mlp()
+  optimizer = tfdpx.keras.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                expected_batch_size=8)
+  model.compile(optimizer, _loss())
+  unknown_length = tf.data.Dataset.from_generator(
+      lambda: ((x[i:i + 8], y[i:i + 8]) for i in range(0, 24, 8)),
+      output_signature=(tf.TensorSpec((8, 5), tf.float32),
+                        tf.TensorSpec((8,), tf.int32)))
+  model.fit(unknown_length, epochs=2, verbose=0)
+  assert int(optimizer.dp_steps.numpy()) == 6

@@ -204,10 +204,14 @@ class DPOptimizerMixin:
     seed = tf.stack([tf.constant(self._secret, tf.int64), step])
     noisy_sum, new_state = self._privatizer.update(
         list(per_example_grads), state, seed, public_grads=public_grads)
-    for variable, value in zip(self._dp_state_vars,
-                               tf.nest.flatten(new_state)):
-      variable.assign(value)
-    self.dp_steps.assign_add(1)
+    # The updates wait for the noisy sum, which depends on the data: a step
+    # that fails for want of data (the end of a dataset of unknown length)
+    # must not advance the state or the step count.
+    with tf.control_dependencies(noisy_sum):
+      for variable, value in zip(self._dp_state_vars,
+                                 tf.nest.flatten(new_state)):
+        variable.assign(value)
+      self.dp_steps.assign_add(1)
     # Under tf.distribute every replica holds the same global noisy sum, and
     # apply_gradients sums the replicas' gradients: each returns its share.
     context = tf.distribute.get_replica_context()

@@ -1,0 +1,91 @@
+"""examples/train.py end to end on tiny settings."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+import tfdpx
+from examples import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+TINY = ['train.py', '--dataset=digits', '--train_examples=96',
+        '--batch_size=32', '--epochs=1', '--seed=3', '--verbose=0',
+        '--learning_rate=0.5', '--engine=compile']
+PRIVATIZERS = train.FLAGS['privatizer'].parser.enum_values
+
+
+@pytest.mark.parametrize('name', PRIVATIZERS)
+def test_every_privatizer_trains_end_to_end(name):
+  results = train.run(TINY + [f'--privatizer={name}', '--target_epsilon=8'])
+  assert results['steps'] == 3
+  assert 0 < results['epsilon'] <= 8
+  assert 0 <= results['test_accuracy'] <= 1
+  assert 'epsilon' in results['history'][0]
+
+
+def test_poisson_run_reports_its_assumption():
+  results = train.run(TINY + ['--sampling=poisson',
+                              '--noise_multiplier=1.0', '--epochs=2'])
+  assert 'Poisson, as the accountant assumes' in results['statement']
+  assert results['steps'] == 2 * 3
+
+
+def test_tfds_path_with_mock_data():
+  with tfds.testing.mock_data(num_examples=64):
+    results = train.run(['train.py', '--dataset=mnist', '--batch_size=32',
+                         '--epochs=1', '--seed=0', '--verbose=0',
+                         '--noise_multiplier=1.0'])
+  assert results['steps'] == 2
+
+
+def test_resumed_run_equals_uninterrupted_run(tmp_path):
+  args = TINY + ['--noise_multiplier=1.0', '--optimizer=adam',
+                 '--learning_rate=0.01']
+  whole = train.run(args + ['--epochs=2',
+                            f'--checkpoint_dir={tmp_path / "whole"}'])
+  train.run(args + ['--epochs=1', f'--checkpoint_dir={tmp_path / "split"}'])
+  resumed = train.run(args + ['--epochs=2',
+                              f'--checkpoint_dir={tmp_path / "split"}'])
+  assert resumed['steps'] == whole['steps'] == 6
+  assert resumed['epsilon'] == whole['epsilon']
+  for a, b in zip(whole['model'].get_weights(),
+                  resumed['model'].get_weights()):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_epsilon_budget_stops_training_before_the_target():
+  results = train.run(TINY + ['--noise_multiplier=0.8', '--epochs=30',
+                              '--target_epsilon=2'])
+  assert 0 < results['steps'] < 90
+  assert results['epsilon'] <= 2
+  one_more = tfdpx.accounting.epsilon(
+      tfdpx.privatizers.gaussian(1.0, 0.8), steps=results['steps'] + 1,
+      sampling_probability=32 / 96, delta=1e-5)
+  assert one_more > 2
+
+
+def test_saved_model_loads_and_predicts_without_tfdpx(tmp_path):
+  export = tmp_path / 'export'
+  results = train.run(TINY + ['--noise_multiplier=1.0',
+                              f'--export_dir={export}'])
+  x = np.random.default_rng(0).random((4, 28, 28, 1)).astype('float32')
+  expected = results['model'](x).numpy()
+  np.save(tmp_path / 'x.npy', x)
+  code = (
+      'import json, sys, numpy as np, tensorflow as tf\n'
+      f'loaded = tf.saved_model.load({str(export)!r})\n'
+      f'x = np.load({str(tmp_path / "x.npy")!r})\n'
+      'out = loaded.signatures["serving_default"](tf.constant(x))\n'
+      'assert not any(m.startswith("tfdpx") for m in sys.modules)\n'
+      'print(json.dumps(list(out.values())[0].numpy().tolist()))\n')
+  out = subprocess.run([sys.executable, '-c', code], cwd=str(tmp_path),
+                       capture_output=True, text=True, check=True,
+                       env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'})
+  got = np.array(json.loads(out.stdout.strip().splitlines()[-1]))
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
