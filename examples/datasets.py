@@ -38,11 +38,13 @@ def load(name: str, *, test_size: int = 1000, seed: int = 0):
     return (x[test_size:], y[test_size:], x[:test_size], y[:test_size], 10)
   if name in TFDS:
     import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-    train, test = tfds.load(name, split=['train', 'test'], as_supervised=True,
-                            batch_size=-1)
-    (x_train, y_train), (x_test, y_test) = (tfds.as_numpy(train),
-                                            tfds.as_numpy(test))
-    scale = lambda a: (a / 255.0).astype('float32')
-    return (scale(x_train), y_train.astype('int32'), scale(x_test),
-            y_test.astype('int32'), 10)
+    def arrays(split):
+      batches = list(tfds.as_numpy(tfds.load(
+          name, split=split, as_supervised=True).batch(10000)))
+      x = np.concatenate([b[0] for b in batches]) / 255.0
+      return x.astype('float32'), np.concatenate([b[1] for b in batches])
+
+    (x_train, y_train), (x_test, y_test) = arrays('train'), arrays('test')
+    return (x_train, y_train.astype('int32'), x_test, y_test.astype('int32'),
+            10)
   raise ValueError(f'dataset must be one of {OFFLINE + TFDS}, got {name!r}')
