@@ -29,3 +29,14 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Bazel (docs/bazel.md): Debian's Bazel 4, offline, every test under the .venv Python.
+BAZEL ?= bazel-4
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+.PHONY: bazel-test
+
+bazel-test: $(STAMP)
+	command -v $(BAZEL) >/dev/null || { $(SUDO) apt-get update && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y bazel-bootstrap; }
+	$(BAZEL) test //...
