@@ -52,3 +52,22 @@ class Case:
 CASES = [
     Case('gaussian', lambda z, c: privatizers.gaussian(c, z)),
 ]
+
+
+def dpdr_std(privatizer, step, l2_norm_clip):
+  """DPDR's DP-SGD steps are isotropic; its decomposition steps are not."""
+  if privatizer.decomposes(step):
+    return None  # Tested along and across b in tests/privatizers/test_dpdr.py.
+  return gaussian_std(privatizer, step, l2_norm_clip)
+
+
+# Decomposition steps release sum(alpha_i) b + sum(g_perp_i): one example
+# moves them by at most sqrt(C_alpha^2 + C_perp^2) = sqrt(2) C.
+CASES += [
+    Case('dpdr', lambda z, c: privatizers.dpdr(c, z, decomposition_steps=3),
+         steps=(0, 2, 3), sensitivity=lambda c: 2**0.5 * c,
+         noise_std=dpdr_std),
+    Case('dpdr_global', lambda z, c: privatizers.dpdr(
+        c, z, decomposition_steps=3, granularity='global'), steps=(0, 1, 4),
+         sensitivity=lambda c: 2**0.5 * c, noise_std=dpdr_std),
+]
