@@ -9,7 +9,7 @@ Spec: `shared/specs/dpdr.md`.
 """
 
 import math
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import dp_accounting
 import tensorflow as tf
@@ -45,6 +45,45 @@ def _flat(t: tf.Tensor) -> tf.Tensor:
 def _broadcast(per_example: tf.Tensor, like: tf.Tensor) -> tf.Tensor:
   """`[B]` -> `[B, 1, ..., 1]` with the rank of `like`."""
   return tf.reshape(per_example, [-1] + [1] * (like.shape.rank - 1))
+
+
+def decompose(per_example_grads: Sequence[tf.Tensor],
+              base: Sequence[tf.Tensor],
+              blocks: tf.Tensor) -> Tuple[tf.Tensor, List[tf.Tensor]]:
+  """Splits each example's gradient along and across the base, per block.
+
+  Args:
+    per_example_grads: one `[B, *var.shape]` tensor per variable.
+    base: one `var.shape` tensor per variable; over the variables of one
+      block it is a unit vector or zero.
+    blocks: int32 `[num_variables]`, the block (0..m-1) of each variable.
+
+  Returns:
+    `(alpha, perp)`: `alpha[i, l] = <g_l^(i), b_l>` as a float32
+    `[B, num_variables]` tensor (columns `m` and above are zero), and the
+    orthogonal parts `g^(i) - alpha^(i)_l b_l`, shaped like the input.
+  """
+  num_slots = len(per_example_grads)
+  # In float32 whatever the gradient dtype (spec §7 P16).
+  dots = tf.stack([
+      tf.linalg.matvec(_flat(tf.cast(g, tf.float32)),
+                       tf.reshape(tf.cast(b, tf.float32), [-1]))
+      for g, b in zip(per_example_grads, base)
+  ], axis=1)  # [B, num_variables]
+  alpha = tf.transpose(
+      tf.math.unsorted_segment_sum(tf.transpose(dots), blocks, num_slots))
+  alpha_of_variable = tf.gather(alpha, blocks, axis=1)
+  perp = [g - tf.cast(_broadcast(alpha_of_variable[:, i], g), g.dtype) * b
+          for i, (g, b) in enumerate(zip(per_example_grads, base))]
+  return alpha, perp
+
+
+def reconstruct(alpha: tf.Tensor, perp: Sequence[tf.Tensor],
+                base: Sequence[tf.Tensor], blocks: tf.Tensor) -> List[tf.Tensor]:
+  """`alpha_l * b_l + perp_l` per block, for aggregated `alpha` `[slots]`."""
+  alpha_of_variable = tf.gather(alpha, blocks)
+  return [p + tf.cast(alpha_of_variable[i], p.dtype) * b
+          for i, (p, b) in enumerate(zip(perp, base))]
 
 
 def effective_noise_multiplier(perp_noise_multiplier: float,
@@ -265,18 +304,7 @@ class DPDR(core.Privatizer):
                               self._noise_multiplier, seed)
 
   def _decomposition_step(self, grads, base, blocks, seed):
-    num_slots = len(grads)  # m <= number of variables; unused slots stay 0.
-    # alpha[i, l] = <g_l^(i), b_l>, in float32 (spec §7 P16).
-    dots = tf.stack([
-        tf.linalg.matvec(_flat(tf.cast(g, tf.float32)),
-                         tf.reshape(tf.cast(b, tf.float32), [-1]))
-        for g, b in zip(grads, base)
-    ], axis=1)  # [B, num_variables]
-    alpha = tf.transpose(
-        tf.math.unsorted_segment_sum(tf.transpose(dots), blocks, num_slots))
-    alpha_of_variable = tf.gather(alpha, blocks, axis=1)
-    perp = [g - tf.cast(_broadcast(alpha_of_variable[:, i], g), g.dtype) * b
-            for i, (g, b) in enumerate(zip(grads, base))]
+    alpha, perp = decompose(grads, base, blocks)
     # Clip the alpha vector by its L2 norm (spec §7 P1: the paper's rule has
     # no absolute value) and g_perp by its global L2 norm (§5.4 flags 7-8).
     alpha_clipped, _ = clipping.clip_per_example([alpha],
@@ -288,9 +316,7 @@ class DPDR(core.Privatizer):
     perp_sum = noise.gaussian_sum(perp_clipped, self.perp_l2_norm_clip,
                                   self.perp_noise_multiplier,
                                   noise.substream(seed, 'perp'))
-    alpha_of_variable = tf.gather(alpha_sum, blocks)
-    return [p + tf.cast(alpha_of_variable[i], p.dtype) * b
-            for i, (p, b) in enumerate(zip(perp_sum, base))]
+    return reconstruct(alpha_sum, perp_sum, base, blocks)
 
   @staticmethod
   def _normalized(released, blocks):
