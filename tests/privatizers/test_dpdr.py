@@ -259,8 +259,8 @@ def test_decomposition_noise_along_and_across_the_base():
   zeros = [tf.zeros((3,) + s) for s in shapes]
   draws = tf.function(lambda keys: tf.map_fn(
       lambda key: privatizer.update(zeros, state, key)[0], keys,
-      fn_output_signature=[tf.float32] * len(shapes)), jit_compile=True)
-  keys = tf.stack([tf.constant([11, 0], tf.int64) + [0, i] for i in range(500)])
+      fn_output_signature=[tf.float32] * len(shapes)))
+  keys = tf.stack([_key(i) for i in range(300)])
   along, across = [], []
   for out, b in zip(draws(keys), base):  # out: [draws, 30] per block.
     b = b.numpy().astype(np.float64)
@@ -271,7 +271,7 @@ def test_decomposition_noise_along_and_across_the_base():
     across.append((out @ q[:, 1:]).ravel())
   along, across = np.concatenate(along), np.concatenate(across)
   along_std = math.hypot(alpha_sigma * alpha_clip, perp_sigma * perp_clip)
-  assert stats.relative_tolerance(along.size) < 0.065
+  assert stats.relative_tolerance(along.size) < 0.08
   assert stats.std_matches(along, along_std)
   for wrong in (along_std * 1.15, along_std / 1.15, alpha_sigma * alpha_clip,
                 perp_sigma * perp_clip):
