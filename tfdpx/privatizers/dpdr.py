@@ -284,11 +284,29 @@ class DPDR(core.Privatizer):
     del public_grads  # Unused: DPDR needs no public data.
     grads = list(per_example_grads)
     base, blocks, step = state['base'], state['blocks'], state['step']
-    decompose = tf.logical_and(step >= 1, step < self._decomposition_steps)
-    noisy_sum = tf.cond(
-        decompose,
-        lambda: self._decomposition_step(grads, base, blocks, seed),
-        lambda: self._dp_sgd_step(grads, seed))
+    decomposing = tf.logical_and(step >= 1, step < self._decomposition_steps)
+    # Only the per-example work is inside the branch: the sums (all-reduced
+    # across replicas under tf.distribute) may not be under control flow.
+    alpha_records, records = tf.cond(
+        decomposing,
+        lambda: self._decomposed_records(grads, base, blocks),
+        lambda: self._dp_sgd_records(grads))
+    # DP-SGD steps: the computation and draws of `gaussian(l2_norm_clip,
+    # noise_multiplier)` (spec §8 U7).
+    sums = noise.gaussian_sum(
+        records,
+        tf.where(decomposing, tf.constant(self.perp_l2_norm_clip, tf.float64),
+                 tf.constant(self._l2_norm_clip, tf.float64)),
+        tf.where(decomposing,
+                 tf.constant(self.perp_noise_multiplier, tf.float64),
+                 tf.constant(self._noise_multiplier, tf.float64)),
+        tf.where(decomposing,
+                 tf.cast(noise.substream(seed, 'perp'), seed.dtype), seed))
+    alpha_sum, = noise.gaussian_sum([alpha_records], self.alpha_l2_norm_clip,
+                                    self.alpha_noise_multiplier,
+                                    noise.substream(seed, 'alpha'))
+    rebuilt = reconstruct(alpha_sum, sums, base, blocks)
+    noisy_sum = [tf.where(decomposing, r, s) for r, s in zip(rebuilt, sums)]
     new_state = {
         'step': step + 1,
         'base': self._normalized(noisy_sum, blocks),
@@ -296,27 +314,18 @@ class DPDR(core.Privatizer):
     }
     return noisy_sum, new_state
 
-  def _dp_sgd_step(self, grads, seed):
-    # The same computation and seed as `gaussian(l2_norm_clip,
-    # noise_multiplier)` (spec §8 U7).
+  def _dp_sgd_records(self, grads):
     clipped, _ = clipping.clip_per_example(grads, self._l2_norm_clip)
-    return noise.gaussian_sum(clipped, self._l2_norm_clip,
-                              self._noise_multiplier, seed)
+    no_alpha = tf.zeros([tf.shape(grads[0])[0], len(grads)], tf.float32)
+    return no_alpha, clipped
 
-  def _decomposition_step(self, grads, base, blocks, seed):
+  def _decomposed_records(self, grads, base, blocks):
     alpha, perp = decompose(grads, base, blocks)
     # Clip the alpha vector by its L2 norm (spec §7 P1: the paper's rule has
     # no absolute value) and g_perp by its global L2 norm (§5.4 flags 7-8).
-    alpha_clipped, _ = clipping.clip_per_example([alpha],
-                                                 self.alpha_l2_norm_clip)
-    perp_clipped, _ = clipping.clip_per_example(perp, self.perp_l2_norm_clip)
-    alpha_sum, = noise.gaussian_sum(alpha_clipped, self.alpha_l2_norm_clip,
-                                    self.alpha_noise_multiplier,
-                                    noise.substream(seed, 'alpha'))
-    perp_sum = noise.gaussian_sum(perp_clipped, self.perp_l2_norm_clip,
-                                  self.perp_noise_multiplier,
-                                  noise.substream(seed, 'perp'))
-    return reconstruct(alpha_sum, perp_sum, base, blocks)
+    (alpha,), _ = clipping.clip_per_example([alpha], self.alpha_l2_norm_clip)
+    perp, _ = clipping.clip_per_example(perp, self.perp_l2_norm_clip)
+    return alpha, perp
 
   @staticmethod
   def _normalized(released, blocks):
