@@ -52,3 +52,8 @@ class Case:
 CASES = [
     Case('gaussian', lambda z, c: privatizers.gaussian(c, z)),
 ]
+CASES.append(Case('geodp_sound', lambda z, c: privatizers.geodp(c, z),
+                  noise_std=lambda p, step, c: None))
+CASES.append(Case('geodp_paper', lambda z, c: privatizers.geodp(
+    c, z, mode='paper', beta=0.5, expected_batch_size=4.0),
+                  noise_std=lambda p, step, c: None))

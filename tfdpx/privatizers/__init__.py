@@ -2,3 +2,5 @@
 
 from tfdpx.privatizers.gaussian import Gaussian
 from tfdpx.privatizers.gaussian import gaussian
+from tfdpx.privatizers.geodp import GeoDP
+from tfdpx.privatizers.geodp import geodp
