@@ -55,13 +55,15 @@ def _cumsum(x: tf.Tensor, *, exclusive: bool = False,
   length and log n rather than with n.
 
   Args:
-    x: a 1-D tensor of static length n >= 1.
+    x: a 1-D tensor of static length n.
     exclusive: leave out each element itself (the first output is 0).
     reverse: sum from the end.
 
   Returns:
     A tensor like `x`.
   """
+  if x.shape[0] == 0:
+    return x
   if reverse:
     return tf.reverse(_cumsum(tf.reverse(x, [0]), exclusive=exclusive), [0])
   if exclusive:
