@@ -116,7 +116,7 @@ def to_spherical(x: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
 
 
 def to_cartesian(r: tf.Tensor, theta: tf.Tensor) -> tf.Tensor:
-  """The vector with magnitude `r` and angles `theta` (inverse of `to_spherical`).
+  """The vector of magnitude `r` and angles `theta`; inverts `to_spherical`.
 
   Any real angles are accepted (noisy angles outside their ranges flip the
   signs of later coordinates, as the formulas say) and a negative `r` flips
@@ -141,7 +141,8 @@ def to_cartesian(r: tf.Tensor, theta: tf.Tensor) -> tf.Tensor:
   # log|sin| <= 0, so the log prefix never increases: a zero sine, logged as
   # _LOG_ZERO (far below the log of the smallest float64), makes every later
   # prefix exp(...) == 0 exactly, without -inf or NaN.
-  log_abs = tf.where(tf.equal(sin, 0.0), tf.fill(tf.shape(sin), tf.constant(_LOG_ZERO, tf.float64)),
+  log_abs = tf.where(tf.equal(sin, 0.0),
+                     tf.fill(tf.shape(sin), tf.constant(_LOG_ZERO, tf.float64)),
                      tf.math.log(tf.abs(sin)))
   # prefix[k] = prod_{i < k} sin(theta[i]), for k = 0 .. d - 1.
   log_prefix = _cumsum(tf.concat([log_abs, [0.0]], 0), exclusive=True)

@@ -289,7 +289,7 @@ def test_paper_mode_warns_loudly(caplog):
     assert privatizers.geodp(1.0, 1.0).privacy_claim_valid
 
 
-# --- accounting (spec §5.3 and §7.15-17) -------------------------------------
+# --- accounting (spec §5.3 and §7.15-17) ------------------------------------
 
 # (dataset size N, B, sigma, beta) -> the spec's epsilons (DP-SGD at sigma,
 # paper mode, sound mode with z_r = z_theta = sigma) and their significant

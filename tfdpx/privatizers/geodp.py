@@ -155,8 +155,9 @@ class GeoDP(core.Privatizer):
       raise ValueError('direction_budget_fraction must be in (0, 1), got '
                        f'{direction_budget_fraction!r}')
     if magnitude_postprocess not in MAGNITUDE_POSTPROCESS:
-      raise ValueError(f'magnitude_postprocess must be one of '
-                       f'{MAGNITUDE_POSTPROCESS}, got {magnitude_postprocess!r}')
+      raise ValueError(
+          f'magnitude_postprocess must be one of {MAGNITUDE_POSTPROCESS}, '
+          f'got {magnitude_postprocess!r}')
     if angle_postprocess not in ANGLE_POSTPROCESS:
       raise ValueError(f'angle_postprocess must be one of '
                        f'{ANGLE_POSTPROCESS}, got {angle_postprocess!r}')
@@ -215,7 +216,7 @@ class GeoDP(core.Privatizer):
 
   @property
   def direction_multiplier(self) -> float:
-    """z_theta: the per-angle noise std over the angle sensitivity sqrt(d + 2) * pi."""
+    """z_theta: per-angle noise std over the sensitivity sqrt(d + 2) * pi."""
     return self._direction_multiplier
 
   @property
