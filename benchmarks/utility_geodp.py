@@ -7,8 +7,8 @@ RDP accountant assumes, and the noisy sum is divided by that expected size.
 DP-SGD's noise multiplier is calibrated to `--epsilon`; sound GeoDP gets the
 same effective `noise_multiplier` (its step event is the same Gaussian), so
 the accountant, fed by each optimizer's own `dp_event`, reports the same
-epsilon for both. With `--paper` the paper's Algorithm 1 (mode="paper",
-`--beta`) runs too, for context, with its honest epsilon.
+epsilon for both. The paper's Algorithm 1 (mode="paper", `--beta`) and
+clipped SGD without noise run too, for context, with their honest epsilons.
 
 Per-example gradients come from `tf.vectorized_map` inside a `tf.function`,
 then `optimizer.privatize` and `optimizer.apply_gradients`.
@@ -38,7 +38,8 @@ flags.DEFINE_float('epsilon', 3.0, 'Target epsilon of DP-SGD and GeoDP.')
 flags.DEFINE_float('delta', 1e-5, 'Target delta.')
 flags.DEFINE_float('l2_norm_clip', 1.0, 'Clip norm C (all methods).')
 flags.DEFINE_float('learning_rate', 0.5, 'SGD learning rate (all methods).')
-flags.DEFINE_bool('paper', True, 'Also run GeoDP mode="paper" (not private).')
+flags.DEFINE_list('methods', ['nonprivate', 'dpsgd', 'sound', 'paper'],
+                  'Which of nonprivate, dpsgd, sound, paper to run.')
 flags.DEFINE_float('beta', 0.1, 'Bounding factor of the paper-mode run.')
 flags.DEFINE_integer('test_size', 1000, 'Held-out digits.')
 flags.DEFINE_string('out', None, 'Write the results as JSON here.')
@@ -130,24 +131,30 @@ def main(argv):
   sigma = accounting.calibrate_noise_multiplier(
       FLAGS.epsilon, privatizers.gaussian(FLAGS.l2_norm_clip, 1.0),
       steps=steps, sampling_probability=q, delta=FLAGS.delta)
-  methods = {
-      'non-private (clip only)': privatizers.gaussian(FLAGS.l2_norm_clip, 0.0),
-      'DP-SGD': privatizers.gaussian(FLAGS.l2_norm_clip, sigma),
-      'GeoDP sound': privatizers.geodp(FLAGS.l2_norm_clip, sigma),
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore')  # The paper-mode warning is logged too.
+    paper = privatizers.geodp(FLAGS.l2_norm_clip, sigma, mode='paper',
+                              beta=FLAGS.beta, expected_batch_size=FLAGS.batch)
+  every = {
+      'nonprivate': ('non-private (clip only)',
+                     privatizers.gaussian(FLAGS.l2_norm_clip, 0.0)),
+      'dpsgd': ('DP-SGD', privatizers.gaussian(FLAGS.l2_norm_clip, sigma)),
+      'sound': ('GeoDP sound', privatizers.geodp(FLAGS.l2_norm_clip, sigma)),
+      'paper': (f'GeoDP paper (beta={FLAGS.beta:g}, NOT private)', paper),
   }
-  if FLAGS.paper:
-    with warnings.catch_warnings():
-      warnings.simplefilter('ignore')  # Its warning is logged as well.
-      methods[f'GeoDP paper (beta={FLAGS.beta:g}, NOT private)'] = (
-          privatizers.geodp(FLAGS.l2_norm_clip, sigma, mode='paper',
-                            beta=FLAGS.beta,
-                            expected_batch_size=FLAGS.batch))
+  methods = dict(every[m] for m in FLAGS.methods)
   print(f'n={n}, q={q:.4g}, steps={steps}, noise_multiplier={sigma:.4f} '
         f'(DP-SGD epsilon {FLAGS.epsilon} at delta {FLAGS.delta})', flush=True)
   results = []
   for label, privatizer in methods.items():
     for seed in range(FLAGS.seeds):
       results.append(train_one(label, privatizer, seed, train, test, steps))
+      if FLAGS.out:  # After every run: a long job keeps what it finished.
+        with open(FLAGS.out, 'w') as f:
+          json.dump({'flags': {k: FLAGS[k].value for k in (
+              'seeds', 'epochs', 'batch', 'epsilon', 'delta', 'l2_norm_clip',
+              'learning_rate', 'beta')}, 'noise_multiplier': sigma,
+                     'steps': steps, 'results': results}, f, indent=1)
   print('\n| method | epsilon | test accuracy (mean ± sd over seeds) |')
   print('|---|---|---|')
   for label in methods:
@@ -156,12 +163,6 @@ def main(argv):
     spread = acc.std(ddof=1) if len(acc) > 1 else 0.0
     print(f'| {label} | {runs[0]["epsilon"]:.3g} | '
           f'{100 * acc.mean():.1f}% ± {100 * spread:.1f} |')
-  if FLAGS.out:
-    with open(FLAGS.out, 'w') as f:
-      json.dump({'flags': {k: FLAGS[k].value for k in (
-          'seeds', 'epochs', 'batch', 'epsilon', 'delta', 'l2_norm_clip',
-          'learning_rate', 'beta')}, 'noise_multiplier': sigma,
-                 'steps': steps, 'results': results}, f, indent=1)
 
 
 if __name__ == '__main__':
