@@ -248,7 +248,7 @@ class GeoDP(core.Privatizer):
     del public_grads  # Unused: GeoDP needs no public data.
     clipped, _ = clipping.clip_per_example(per_example_grads,
                                            self._l2_norm_clip)
-    sums = [tf.reduce_sum(c, axis=0) for c in clipped]
+    sums = noise.batch_sum(clipped)
     flat = tf.concat(
         [tf.reshape(tf.cast(s, tf.float64), [-1]) for s in sums], axis=0)
     r, theta = hyperspherical.to_spherical(flat)
