@@ -71,3 +71,8 @@ CASES += [
         c, z, decomposition_steps=3, granularity='global'), steps=(0, 1, 4),
          sensitivity=lambda c: 2**0.5 * c, noise_std=dpdr_std),
 ]
+CASES.append(Case('geodp_sound', lambda z, c: privatizers.geodp(c, z),
+                  noise_std=lambda p, step, c: None))
+CASES.append(Case('geodp_paper', lambda z, c: privatizers.geodp(
+    c, z, mode='paper', beta=0.5, expected_batch_size=4.0),
+                  noise_std=lambda p, step, c: None))

@@ -150,6 +150,9 @@ def test_noise_std_is_what_the_event_claims(case):
     assert not stats.std_matches(samples, expected * 1.03)
     assert not stats.std_matches(samples, expected / 1.03)
     checked += 1
+  if not checked and case.noise_std(privatizer, case.steps[0], None) is None:
+    pytest.skip(f'{case.name}: the output noise is not per-coordinate '
+                'Gaussian; its own tests check it against dp_event')
   assert checked, 'no step of this case has a noise check'
 
 

@@ -4,3 +4,5 @@ from tfdpx.privatizers.gaussian import Gaussian
 from tfdpx.privatizers.gaussian import gaussian
 from tfdpx.privatizers.dpdr import DPDR
 from tfdpx.privatizers.dpdr import dpdr
+from tfdpx.privatizers.geodp import GeoDP
+from tfdpx.privatizers.geodp import geodp
