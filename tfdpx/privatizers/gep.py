@@ -1,0 +1,486 @@
+"""GEP: gradient embedding perturbation with public anchor gradients.
+
+Each step finds a low-dimensional subspace from per-example gradients of
+public data (the anchors), splits every private per-example gradient into its
+embedding in that subspace and the residual, and releases both parts, each
+clipped and noised, from the same sampled batch. See `/work/shared/specs/gep.md`.
+"""
+
+import math
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import dp_accounting
+import tensorflow as tf
+
+from tfdpx import clipping
+from tfdpx import core
+from tfdpx import noise
+
+DEFAULT_NUM_GROUPS = 3  # The official code's `--num_groups` (spec §5.1 D1).
+
+NO_PUBLIC_DATA_HELP = (
+    'GEP needs per-example gradients of public data (`public_grads`) to find '
+    'its subspace, and none were given. Train a model made private with '
+    'public data (tfdpx.keras.make_private(model, public_data=...)) or pass '
+    'public_grads to optimizer.privatize. The public examples must be '
+    'non-sensitive and disjoint from the private training set: data-'
+    'independent synthetic inputs, or a held-out part of the private data '
+    'that you give up protecting, both work. Never build the subspace from '
+    'the private gradients themselves; without public data use DP-SGD '
+    '(tfdpx.privatizers.gaussian). See spec gep.md §3.6.')
+
+# A segment is (variable index, start, stop) in that variable's flat layout.
+Segment = Tuple[int, int, int]
+
+
+def allocate_bases(group_sizes: Sequence[int], num_bases: int,
+                   num_public: Optional[int] = None) -> List[int]:
+  """Basis sizes per group: `k_j = floor(k sqrt(p_j) / sum_l sqrt(p_l))`.
+
+  Each `k_j` is then clamped to `min(p_j, m)`: the anchor matrix has rank at
+  most `m`, so more basis vectors would only carry noise (spec §1.5, §5.2 A6).
+
+  Args:
+    group_sizes: parameter count `p_j` of each group, all >= 1.
+    num_bases: total basis size `k` before rounding and clamping.
+    num_public: number `m` of anchor gradients, or `None` if unknown.
+
+  Returns:
+    The list of `k_j`; their sum is at most `num_bases`.
+  """
+  roots = [math.sqrt(p) for p in group_sizes]
+  total = sum(roots)
+  sizes = []
+  for p, root in zip(group_sizes, roots):
+    k = int(math.floor(num_bases * root / total))
+    k = min(k, p)
+    if num_public is not None:
+      k = min(k, num_public)
+    sizes.append(k)
+  return sizes
+
+
+def _group_segments(var_sizes: Sequence[int], num_groups: Optional[int],
+                    groups: Optional[Sequence[Sequence[int]]]
+                   ) -> List[List[Segment]]:
+  """The flat segments of each parameter group (spec §1.5)."""
+  if groups is not None:
+    indices = sorted(i for group in groups for i in group)
+    if indices != list(range(len(var_sizes))):
+      raise ValueError(
+          f'groups must partition the variable indices 0..{len(var_sizes) - 1}'
+          f' (each exactly once), got {groups!r}')
+    return [[(v, 0, var_sizes[v]) for v in group] for group in groups]
+  total = sum(var_sizes)
+  if num_groups > total:
+    raise ValueError(
+        f'num_groups={num_groups} is larger than the number of parameters '
+        f'({total})')
+  bounds = [(i * total) // num_groups for i in range(num_groups + 1)]
+  offsets = [0]
+  for size in var_sizes:
+    offsets.append(offsets[-1] + size)
+  segments = []
+  for lo, hi in zip(bounds[:-1], bounds[1:]):
+    group = []
+    for v, size in enumerate(var_sizes):
+      start, stop = max(lo, offsets[v]), min(hi, offsets[v] + size)
+      if start < stop:
+        group.append((v, start - offsets[v], stop - offsets[v]))
+    segments.append(group)
+  return segments
+
+
+def _gather(flat: Sequence[tf.Tensor], segments: Sequence[Segment]
+           ) -> tf.Tensor:
+  """`[rows, p_j]`: the columns of one group from per-variable `[rows, p_v]`."""
+  pieces = [flat[v][:, start:stop] for v, start, stop in segments]
+  return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=1)
+
+
+def _scatter(group_vectors: Sequence[tf.Tensor],
+             segments: Sequence[Sequence[Segment]],
+             shapes: Sequence[tf.TensorShape]) -> List[tf.Tensor]:
+  """Inverse of `_gather` for one vector per group: one tensor per variable."""
+  pieces = [[] for _ in shapes]
+  for vector, group in zip(group_vectors, segments):
+    offset = 0
+    for v, start, stop in group:
+      pieces[v].append((start, vector[offset:offset + stop - start]))
+      offset += stop - start
+  out = []
+  for parts, shape in zip(pieces, shapes):
+    parts = [p for _, p in sorted(parts, key=lambda item: item[0])]
+    flat = parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+    out.append(tf.reshape(flat, shape))
+  return out
+
+
+def _orthonormalize(matrix: tf.Tensor) -> tf.Tensor:
+  """Orthonormal columns spanning `matrix`'s columns (Householder QR).
+
+  Each column's sign is fixed so that `R` has a non-negative diagonal: the QR
+  factor is then unique for a full-rank input, and eager and XLA kernels (whose
+  Householder signs differ) give the same basis, hence the same noise.
+  """
+  q, r = tf.linalg.qr(matrix)
+  signs = tf.where(tf.linalg.diag_part(r) < 0, -1.0, 1.0)
+  return q * tf.cast(signs, q.dtype)[tf.newaxis, :]
+
+
+def _flat(per_example: Sequence[tf.Tensor]) -> List[tf.Tensor]:
+  return [tf.reshape(g, [tf.shape(g)[0], -1]) for g in per_example]
+
+
+@core.register
+class GEP(core.Privatizer):
+  """Gradient embedding perturbation (GEP) and its biased variant (B-GEP).
+
+  Per step (spec §1.3): for each parameter group `j`, one power-method step
+  (or `power_iterations`) on the public anchor gradients `A_j` (`[m, p_j]`)
+  from a fresh Gaussian start gives an orthonormal basis `B_j` of `k_j`
+  directions (`tf.linalg.qr`). Each private per-example gradient `G_i` is split
+  into its embedding `W_i = [G_i B_j^T]_j` (length `K = sum_j k_j`) and the
+  residual `R_i = G_i - W_i B` (from the unclipped embedding). `W_i` is
+  clipped to `embedding_l2_norm_clip` (S1) and `R_i` to `residual_l2_norm_clip`
+  (S2), each as one vector over all groups; both sums get Gaussian noise, and
+  the output is `w~ B + r~` (GEP) or `w~ B` (B-GEP, `biased=True`; the residual
+  is then neither computed nor released).
+
+  The public gradients arrive as `public_grads` in `update` (same layout as
+  the private ones: one `[m, *var.shape]` tensor per variable). The basis
+  depends only on them and on a public random stream of the step's seed.
+
+  Privacy:
+    Each example's embedding is clipped to global L2 norm S1 and its residual
+    to S2. The embedding sum gets N(0, (sigma_1 S1)^2) noise per coordinate and
+    the residual sum N(0, (sigma_2 S2)^2), both on the same sampled batch: one
+    step is one Gaussian mechanism with effective noise multiplier
+    `sigma_eff = (sigma_1^-2 + sigma_2^-2)^-1/2` (spec §3.2), so `dp_event` is
+    `GaussianDpEvent(sigma_eff)`; B-GEP releases only the embedding, so its
+    event is `GaussianDpEvent(sigma_1)`. By default `noise_multiplier` is
+    `sigma_eff` (GEP: `sigma_1 = sigma_2 = sqrt(2) noise_multiplier`; B-GEP:
+    `sigma_1 = noise_multiplier`), so a step costs what a DP-SGD step with
+    `noise_multiplier` costs. Adjacency: add or remove one example (the
+    sensitivities are S1 and S2). The basis costs nothing only because the
+    anchors are public and disjoint from the private data (spec §3.6). The
+    official code's accountant doubles the subsampled RDP, which understates
+    epsilon (spec §3.3); tfdpx does not offer that accounting.
+
+  References:
+    Yu, Zhang, Chen, Liu, "Do Not Let Privacy Overbill Utility: Gradient
+    Embedding Perturbation for Private Learning", ICLR 2021.
+  """
+
+  name = 'gep'
+  requires_public_grads = True
+
+  def __init__(self,
+               num_bases: int,
+               embedding_l2_norm_clip: float,
+               residual_l2_norm_clip: float,
+               noise_multiplier: Optional[float] = None,
+               *,
+               embedding_noise_multiplier: Optional[float] = None,
+               residual_noise_multiplier: Optional[float] = None,
+               num_groups: Optional[int] = None,
+               groups: Optional[Sequence[Sequence[int]]] = None,
+               power_iterations: int = 1,
+               biased: bool = False):
+    """Args:
+      num_bases: total basis size k, split over the groups in proportion to
+        `sqrt(p_j)` and clamped to `min(p_j, m)` per group; an integer >= 1.
+      embedding_l2_norm_clip: S1, clip norm of each example's embedding, > 0
+        (`inf` allowed). The paper's code uses 5 (the paper's text 10).
+      residual_l2_norm_clip: S2, clip norm of each example's residual, > 0
+        (`inf` allowed); the paper uses 2. Ignored by B-GEP.
+      noise_multiplier: effective noise multiplier of the whole step, >= 0.
+        Required unless the per-part multipliers are given.
+      embedding_noise_multiplier: sigma_1, noise std of the embedding sum over
+        S1. Give it (and for GEP `residual_noise_multiplier`) to override the
+        default split; `dp_event` then reports their `sigma_eff`.
+      residual_noise_multiplier: sigma_2, noise std of the residual sum over
+        S2 (GEP only).
+      num_groups: split the concatenated parameters into this many equal
+        contiguous flat ranges (cutting variables where needed), as the
+        official code does. Default 3 unless `groups` is given.
+      groups: layer-aligned groups instead: a list of lists of variable
+        indices (in `var_list` order) that partitions all variables.
+      power_iterations: power-method steps per update, >= 1 (the paper: 1).
+      biased: B-GEP: release only the embedding.
+
+    Raises:
+      ValueError: naming the argument that is out of range or inconsistent.
+    """
+    if int(num_bases) != num_bases or num_bases < 1:
+      raise ValueError(f'num_bases must be an integer >= 1, got {num_bases!r}')
+    if (int(power_iterations) != power_iterations or
+        power_iterations < 1):
+      raise ValueError(
+          f'power_iterations must be an integer >= 1, got {power_iterations!r}')
+    if groups is not None and num_groups is not None:
+      raise ValueError('pass num_groups or groups, not both')
+    if groups is not None:
+      try:
+        groups = [[int(v) for v in group] for group in groups]
+      except (TypeError, ValueError):
+        raise ValueError(
+            f'groups must be a list of lists of variable indices, got '
+            f'{groups!r}') from None
+      flat = [v for group in groups for v in group]
+      if (not groups or any(not group for group in groups) or
+          min(flat) < 0 or len(set(flat)) != len(flat)):
+        raise ValueError(
+            'groups must be non-empty lists of distinct non-negative variable '
+            f'indices, got {groups!r}')
+    else:
+      num_groups = DEFAULT_NUM_GROUPS if num_groups is None else num_groups
+      if int(num_groups) != num_groups or num_groups < 1:
+        raise ValueError(
+            f'num_groups must be an integer >= 1, got {num_groups!r}')
+      num_groups = int(num_groups)
+    self._num_bases = int(num_bases)
+    self._s1 = core.check_positive('embedding_l2_norm_clip',
+                                   embedding_l2_norm_clip)
+    self._s2 = core.check_positive('residual_l2_norm_clip',
+                                   residual_l2_norm_clip)
+    self._num_groups = num_groups
+    self._groups = groups
+    self._power_iterations = int(power_iterations)
+    self._biased = bool(biased)
+    self._sigma1, self._sigma2, self._explicit = self._split(
+        noise_multiplier, embedding_noise_multiplier,
+        residual_noise_multiplier)
+
+  def _split(self, noise_multiplier, sigma1, sigma2):
+    """(sigma_1, sigma_2, explicit) from the constructor's multipliers."""
+    if self._biased:
+      if sigma2 is not None:
+        raise ValueError(
+            'residual_noise_multiplier must be None with biased=True: B-GEP '
+            'releases no residual')
+      if sigma1 is None:
+        if noise_multiplier is None:
+          raise ValueError(
+              'pass noise_multiplier or embedding_noise_multiplier')
+        return core.check_positive('noise_multiplier', noise_multiplier,
+                                   allow_zero=True), None, False
+      sigma1 = core.check_positive('embedding_noise_multiplier', sigma1,
+                                   allow_zero=True)
+      effective = sigma1
+    else:
+      if (sigma1 is None) != (sigma2 is None):
+        raise ValueError(
+            'pass both embedding_noise_multiplier and '
+            'residual_noise_multiplier, or neither')
+      if sigma1 is None:
+        if noise_multiplier is None:
+          raise ValueError(
+              'pass noise_multiplier, or embedding_noise_multiplier and '
+              'residual_noise_multiplier')
+        z = core.check_positive('noise_multiplier', noise_multiplier,
+                                allow_zero=True)
+        # Equal multipliers whose sigma_eff is z (spec §3.2, §5.2 A14).
+        return math.sqrt(2.0) * z, math.sqrt(2.0) * z, False
+      sigma1 = core.check_positive('embedding_noise_multiplier', sigma1,
+                                   allow_zero=True)
+      sigma2 = core.check_positive('residual_noise_multiplier', sigma2,
+                                   allow_zero=True)
+      effective = effective_noise_multiplier(sigma1, sigma2)
+    if noise_multiplier is not None:
+      z = core.check_positive('noise_multiplier', noise_multiplier,
+                              allow_zero=True)
+      if not math.isclose(z, effective, rel_tol=1e-9, abs_tol=1e-12):
+        raise ValueError(
+            f'noise_multiplier={noise_multiplier!r} contradicts the per-part '
+            f'multipliers, whose effective multiplier is {effective!r}; pass '
+            'one or the other')
+    return sigma1, sigma2, True
+
+  # --- hyperparameters -------------------------------------------------------
+
+  @property
+  def config(self) -> Dict[str, Any]:
+    return {
+        'num_bases': self._num_bases,
+        'embedding_l2_norm_clip': self._s1,
+        'residual_l2_norm_clip': self._s2,
+        'noise_multiplier': self.noise_multiplier,
+        'embedding_noise_multiplier':
+            self._sigma1 if self._explicit else None,
+        'residual_noise_multiplier':
+            self._sigma2 if self._explicit else None,
+        'num_groups': self._num_groups,
+        'groups': self._groups,
+        'power_iterations': self._power_iterations,
+        'biased': self._biased,
+    }
+
+  @property
+  def noise_multiplier(self) -> float:
+    """Effective noise multiplier of one step (`sigma_eff`)."""
+    if self._biased:
+      return self._sigma1
+    return effective_noise_multiplier(self._sigma1, self._sigma2)
+
+  @property
+  def embedding_noise_multiplier(self) -> float:
+    """sigma_1: noise std of the embedding sum in units of S1."""
+    return self._sigma1
+
+  @property
+  def residual_noise_multiplier(self) -> Optional[float]:
+    """sigma_2: noise std of the residual sum in units of S2 (None for B-GEP)."""
+    return self._sigma2
+
+  def with_noise_multiplier(self, noise_multiplier: float) -> 'GEP':
+    """An equal privatizer with effective multiplier `noise_multiplier`.
+
+    Explicit per-part multipliers keep their ratio and are scaled together.
+
+    Raises:
+      ValueError: if explicit multipliers include a zero (no ratio to keep).
+    """
+    config = {**self.config, 'noise_multiplier': float(noise_multiplier)}
+    if self._explicit:
+      current = self.noise_multiplier
+      if current == 0:
+        raise ValueError(
+            'cannot rescale explicit noise multipliers that include a zero')
+      scale = float(noise_multiplier) / current
+      config['embedding_noise_multiplier'] = self._sigma1 * scale
+      if not self._biased:
+        config['residual_noise_multiplier'] = self._sigma2 * scale
+      config['noise_multiplier'] = None
+    return type(self).from_config(config)
+
+  # --- the mechanism ---------------------------------------------------------
+
+  def _segments(self, shapes):
+    sizes = [int(s.num_elements()) for s in shapes]
+    return _group_segments(sizes, self._num_groups, self._groups)
+
+  def bases(self, public_grads: Sequence[tf.Tensor],
+            seed: tf.Tensor) -> List[tf.Tensor]:
+    """The orthonormal basis of each group, from public data only.
+
+    Args:
+      public_grads: one `[m, *var.shape]` tensor per variable (anchors).
+      seed: the step's int64 `[2]` seed; the power method's Gaussian start of
+        group j comes from its public substream "gep/basis/j", never from a
+        noise stream.
+
+    Returns:
+      One `[p_j, k_j]` tensor per group with orthonormal columns (`B_j^T`),
+      or all zeros for a group whose anchor gradients are all zero (that group
+      is then residual-only).
+    """
+    shapes = [g.shape[1:] for g in public_grads]
+    segments = self._segments(shapes)
+    flat = _flat(public_grads)
+    num_public = public_grads[0].shape[0]
+    sizes = [sum(stop - start for _, start, stop in group)
+             for group in segments]
+    ks = allocate_bases(sizes, self._num_bases, num_public)
+    requested = allocate_bases(sizes, self._num_bases)
+    if num_public is not None and max(requested) > num_public:
+      warnings.warn(
+          f'GEP: {num_public} anchor gradients cannot span more than '
+          f'{num_public} directions per group; basis sizes {requested} are '
+          f'clamped to {ks} (spec §5.2 A6)')
+    bases = []
+    for j, (group, size, k) in enumerate(zip(segments, sizes, ks)):
+      anchors = _gather(flat, group)
+      dtype = anchors.dtype
+      start = noise.substream(seed, f'gep/basis/{j}')
+      omega = tf.cast(noise.standard_normal([size, k], start), dtype)
+      for _ in range(self._power_iterations):
+        # (A^T A) Omega, then orthonormal columns (spec §1.4).
+        omega = tf.matmul(anchors, tf.matmul(anchors, omega), transpose_a=True)
+        omega = _orthonormalize(omega)
+      # Zero-safe: all-zero anchors give no subspace (spec §5.2 A5).
+      nonzero = tf.cast(tf.reduce_any(tf.not_equal(anchors, 0)), dtype)
+      bases.append(omega * nonzero)
+    return bases
+
+  def decompose(self, per_example_grads: Sequence[tf.Tensor],
+                bases: Sequence[tf.Tensor], *, residuals: bool = True
+               ) -> Tuple[List[tf.Tensor], Optional[List[tf.Tensor]]]:
+    """Unclipped embeddings and residuals of each example, per group.
+
+    Args:
+      per_example_grads: one `[n, *var.shape]` tensor per variable.
+      bases: the output of `bases`.
+      residuals: also return the residuals.
+
+    Returns:
+      `(embeddings, residuals)`: per group, `[n, k_j]` and `[n, p_j]` tensors
+      (residuals `None` if not asked for).
+    """
+    shapes = [g.shape[1:] for g in per_example_grads]
+    segments = self._segments(shapes)
+    flat = _flat(per_example_grads)
+    embeddings, rests = [], []
+    for group, basis in zip(segments, bases):
+      grads = _gather(flat, group)
+      embedding = tf.matmul(grads, basis)
+      embeddings.append(embedding)
+      if residuals:
+        # From the unclipped embedding (spec §5.2 A4).
+        rests.append(grads - tf.matmul(embedding, basis, transpose_b=True))
+    return embeddings, (rests if residuals else None)
+
+  def update(self, per_example_grads, state, seed, *, public_grads=None):
+    if public_grads is None:
+      raise ValueError(NO_PUBLIC_DATA_HELP)
+    per_example_grads = [tf.convert_to_tensor(g) for g in per_example_grads]
+    public_grads = [tf.convert_to_tensor(g) for g in public_grads]
+    if (len(public_grads) != len(per_example_grads) or
+        any(a.shape[1:] != b.shape[1:]
+            for a, b in zip(public_grads, per_example_grads))):
+      raise ValueError(
+          'public_grads must have the layout of the private per-example '
+          'gradients: one [m, *var.shape] tensor per variable')
+    shapes = [g.shape[1:] for g in per_example_grads]
+    segments = self._segments(shapes)
+    bases = self.bases(public_grads, seed)
+    embeddings, residuals = self.decompose(per_example_grads, bases,
+                                           residuals=not self._biased)
+    # One global clip per part, over all groups (spec §5.2 A3).
+    clipped, _ = clipping.clip_per_example(embeddings, self._s1)
+    noisy_embedding = noise.gaussian_sum(
+        clipped, self._s1, self._sigma1, noise.substream(seed, 'gep/embedding'))
+    out = [tf.linalg.matvec(basis, w)
+           for basis, w in zip(bases, noisy_embedding)]
+    if not self._biased:
+      clipped, _ = clipping.clip_per_example(residuals, self._s2)
+      noisy_residual = noise.gaussian_sum(
+          clipped, self._s2, self._sigma2,
+          noise.substream(seed, 'gep/residual'))
+      out = [u + r for u, r in zip(out, noisy_residual)]
+    return _scatter(out, segments, shapes), state
+
+  def dp_event(self, step):
+    del step  # Every step costs the same.
+    return dp_accounting.GaussianDpEvent(float(self.noise_multiplier))
+
+
+def effective_noise_multiplier(sigma1: float, sigma2: float) -> float:
+  """`(sigma1^-2 + sigma2^-2)^-1/2`: two Gaussian releases of one sample.
+
+  Zero if either multiplier is zero (that release is not private).
+  """
+  if sigma1 == 0 or sigma2 == 0:
+    return 0.0
+  return float((sigma1**-2 + sigma2**-2)**-0.5)
+
+
+def gep(num_bases: int,
+        embedding_l2_norm_clip: float,
+        residual_l2_norm_clip: float,
+        noise_multiplier: Optional[float] = None,
+        **kwargs) -> GEP:
+  """The GEP privatizer (B-GEP with `biased=True`); see `GEP`."""
+  return GEP(num_bases, embedding_l2_norm_clip, residual_l2_norm_clip,
+             noise_multiplier, **kwargs)
