@@ -84,8 +84,9 @@ def gep_noise_std(privatizer, step, l2_norm_clip):
   The default split gives each part multiplier sqrt(2) * sigma_eff; the case
   below uses S2 = l2_norm_clip / 2. The embedding noise adds K (sigma_1 S1)^2
   of energy inside the K <= 4 dimensional subspace, which moves the pooled std
-  of the contract's 60,100 coordinates by < 2e-4 relative (the check's
-  tolerance is 1.7%); tests/privatizers/test_gep.py checks both parts exactly.
+  of the contract's > 60,000 coordinates by < 2e-4 relative (the check's
+  tolerance is about 1%); tests/privatizers/test_gep.py checks both parts
+  exactly.
   """
   sigma_eff = privatizer.dp_event(step).noise_multiplier
   return 2**0.5 * sigma_eff * l2_norm_clip / 2
