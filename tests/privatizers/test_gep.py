@@ -195,7 +195,7 @@ def test_one_huge_example_moves_each_part_by_its_clip_norm():
 
 
 def _noise_coordinates(privatizer, draws=10):
-  """Output noise at zero gradients in coordinates of span(B) and its complement."""
+  """Output noise at zero gradients, in coordinates of span(B) and beyond."""
   public = _grads(13, M)
   zeros = [tf.zeros((N,) + s) for s in SHAPES]
   step = tf.function(lambda key: (

@@ -3,7 +3,7 @@
 Each step finds a low-dimensional subspace from per-example gradients of
 public data (the anchors), splits every private per-example gradient into its
 embedding in that subspace and the residual, and releases both parts, each
-clipped and noised, from the same sampled batch. See `/work/shared/specs/gep.md`.
+clipped and noised, from the same sampled batch. Spec: shared/specs/gep.md.
 """
 
 import math
@@ -331,7 +331,7 @@ class GEP(core.Privatizer):
 
   @property
   def residual_noise_multiplier(self) -> Optional[float]:
-    """sigma_2: noise std of the residual sum in units of S2 (None for B-GEP)."""
+    """sigma_2: residual noise std in units of S2 (None for B-GEP)."""
     return self._sigma2
 
   def with_noise_multiplier(self, noise_multiplier: float) -> 'GEP':
