@@ -19,6 +19,13 @@ import tensorflow as tf
 _ALG = 'philox'
 
 
+def _float64(value) -> tf.Tensor:
+  # tf.cast of a Python float goes through float32 (0.7 -> 0.69999999).
+  if tf.is_tensor(value):
+    return tf.cast(value, tf.float64)
+  return tf.constant(value, tf.float64)
+
+
 def standard_normal(shape, seed: tf.Tensor) -> tf.Tensor:
   """N(0, 1) draws of `shape` in float64, equal with and without XLA.
 
@@ -52,7 +59,7 @@ def substream(seed: tf.Tensor, name: str) -> tf.Tensor:
       streams, different names independent ones.
 
   Returns:
-    An int64 tensor of shape `[2]`.
+    An int32 tensor of shape `[2]` (a valid stateless seed).
   """
   label = zlib.crc32(name.encode()) & 0x7FFFFFFF
   return tf.random.experimental.stateless_fold_in(seed, label, alg=_ALG)
@@ -74,7 +81,7 @@ def gaussian_like(
   noise = []
   for i, t in enumerate(tensors):
     key = tf.random.experimental.stateless_fold_in(seed, i, alg=_ALG)
-    draw = standard_normal(tf.shape(t), key) * tf.cast(stddev, tf.float64)
+    draw = standard_normal(tf.shape(t), key) * _float64(stddev)
     noise.append(tf.cast(draw, t.dtype))
   return noise
 
@@ -118,6 +125,6 @@ def gaussian_sum(
   """
   sums = batch_sum(records)
   # multiply_no_nan: zero noise stays zero for an infinite clip norm.
-  stddev = tf.math.multiply_no_nan(tf.cast(l2_norm_clip, tf.float64),
-                                   tf.cast(noise_multiplier, tf.float64))
+  stddev = tf.math.multiply_no_nan(_float64(l2_norm_clip),
+                                   _float64(noise_multiplier))
   return [s + n for s, n in zip(sums, gaussian_like(sums, stddev, seed))]
