@@ -6,3 +6,5 @@ from tfdpx.privatizers.dpdr import DPDR
 from tfdpx.privatizers.dpdr import dpdr
 from tfdpx.privatizers.geodp import GeoDP
 from tfdpx.privatizers.geodp import geodp
+from tfdpx.privatizers.sparsification import Sparsified
+from tfdpx.privatizers.sparsification import sparsified
