@@ -132,6 +132,9 @@ class Sparsified(core.Privatizer):
     self._steps_per_epoch = steps_per_epoch
     self._refreshes = refreshes_per_epoch
     self._mask_seed = int(mask_seed)
+    # The rate the ramp reaches; a single window means no sparsification at
+    # all, also when training runs past it (spec §1.4, P7).
+    self._top = 0.0 if epochs * refreshes_per_epoch == 1 else final_sparsity
 
   @property
   def inner(self) -> core.Privatizer:
@@ -178,8 +181,7 @@ class Sparsified(core.Privatizer):
 
   def sparsity(self, window: int) -> float:
     """`r(window)`: the fraction of coordinates zeroed in that window."""
-    return min(self._final_sparsity * float(window) / self._denominator,
-               self._final_sparsity)
+    return min(self._top * float(window) / self._denominator, self._top)
 
   def num_zeroed(self, window: int, num_coordinates: int) -> int:
     """`floor(r(window) * d)` for `d = num_coordinates`."""
@@ -193,11 +195,10 @@ class Sparsified(core.Privatizer):
     return epoch * self._refreshes + part
 
   def _num_zeroed_tensor(self, window: tf.Tensor, num_coordinates: int):
+    top = tf.constant(self._top, tf.float64)
     rate = tf.minimum(
-        tf.constant(self._final_sparsity, tf.float64) *
-        tf.cast(window, tf.float64) /
-        tf.constant(self._denominator, tf.float64),
-        tf.constant(self._final_sparsity, tf.float64))
+        top * tf.cast(window, tf.float64) /
+        tf.constant(self._denominator, tf.float64), top)
     return tf.cast(
         tf.floor(rate * tf.constant(float(num_coordinates), tf.float64)),
         tf.int64)
