@@ -353,7 +353,9 @@ def test_config_nests_the_inner_privatizer():
     (dict(epochs=2.5), 'epochs'),
     (dict(steps_per_epoch=0), 'steps_per_epoch'),
     (dict(refreshes_per_epoch=11), 'refreshes_per_epoch'),
+    (dict(steps_per_epoch='x'), 'steps_per_epoch'),
     (dict(mask_seed=-1), 'mask_seed'),
+    (dict(mask_seed=None), 'mask_seed'),
     (dict(inner='gaussian'), 'inner'),
 ])
 def test_bad_arguments_are_rejected_by_name(kwargs, name):

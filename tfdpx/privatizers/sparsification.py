@@ -20,9 +20,16 @@ from tfdpx import noise
 _MASK_STREAM = 'sparsification_mask'
 
 
-def _check_positive_int(name: str, value) -> int:
-  if isinstance(value, bool) or int(value) != value or value < 1:
-    raise ValueError(f'{name} must be a positive integer, got {value!r}')
+def _check_int(name: str, value, minimum: int) -> int:
+  """Validates an integer argument >= `minimum`; raises ValueError naming it."""
+  try:
+    ok = (not isinstance(value, bool) and int(value) == value and
+          minimum <= value < 2**63)
+  except (TypeError, ValueError, OverflowError):
+    ok = False
+  if not ok:
+    raise ValueError(
+        f'{name} must be an integer >= {minimum} (64-bit), got {value!r}')
   return int(value)
 
 
@@ -110,18 +117,15 @@ class Sparsified(core.Privatizer):
     if not 0 <= final_sparsity < 1:
       raise ValueError(
           f'final_sparsity must be in [0, 1), got {final_sparsity!r}')
-    epochs = _check_positive_int('epochs', epochs)
-    steps_per_epoch = _check_positive_int('steps_per_epoch', steps_per_epoch)
-    refreshes_per_epoch = _check_positive_int('refreshes_per_epoch',
-                                              refreshes_per_epoch)
+    epochs = _check_int('epochs', epochs, 1)
+    steps_per_epoch = _check_int('steps_per_epoch', steps_per_epoch, 1)
+    refreshes_per_epoch = _check_int('refreshes_per_epoch',
+                                     refreshes_per_epoch, 1)
     if refreshes_per_epoch > steps_per_epoch:
       raise ValueError(
           f'refreshes_per_epoch must be at most steps_per_epoch '
           f'({steps_per_epoch}), got {refreshes_per_epoch!r}')
-    if (isinstance(mask_seed, bool) or int(mask_seed) != mask_seed or
-        not 0 <= mask_seed < 2**63):
-      raise ValueError(
-          f'mask_seed must be a non-negative 64-bit integer, got {mask_seed!r}')
+    mask_seed = _check_int('mask_seed', mask_seed, 0)
     if final_sparsity > 0 and epochs * refreshes_per_epoch == 1:
       warnings.warn(
           'sparsified: a single window (epochs * refreshes_per_epoch == 1) '
@@ -131,7 +135,7 @@ class Sparsified(core.Privatizer):
     self._epochs = epochs
     self._steps_per_epoch = steps_per_epoch
     self._refreshes = refreshes_per_epoch
-    self._mask_seed = int(mask_seed)
+    self._mask_seed = mask_seed
     # The rate the ramp reaches; a single window means no sparsification at
     # all, also when training runs past it (spec §1.4, P7).
     self._top = 0.0 if epochs * refreshes_per_epoch == 1 else final_sparsity
