@@ -1,5 +1,6 @@
 """Random sparsification (spec random_sparsification.md §6)."""
 
+import json
 import math
 
 import dp_accounting
@@ -479,3 +480,13 @@ def test_adam_moments_decay_on_masked_coordinates():
     moved = snapshots[step + 1][0] != snapshots[step][0]
     moved_while_masked += np.sum(moved & masked)
   assert moved_while_masked > 0
+
+
+def test_optimizer_config_round_trips_the_wrapper_through_json():
+  wrapper = privatizers.sparsified(privatizers.gaussian(0.5, 1.2), 0.7, 10,
+                                   25, mask_seed=8)
+  optimizer = tfdpx.keras.DPSGD(privatizer=wrapper, expected_batch_size=32,
+                                learning_rate=0.1)
+  config = json.loads(json.dumps(optimizer.get_config()))
+  rebuilt = tfdpx.keras.DPSGD.from_config(config)
+  assert rebuilt.privatizer == wrapper
