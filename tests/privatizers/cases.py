@@ -6,7 +6,10 @@ privatizer without a clip norm ignores it and states its own sensitivity).
 """
 
 import dataclasses
+import math
 from typing import Callable, Optional, Sequence
+
+import numpy as np
 
 import tfdpx
 from tfdpx import privatizers
@@ -97,3 +100,47 @@ CASES.append(Case(
     noiseless_expected=plain_sum,
     sensitivity=lambda c: (c**2 + (c / 2)**2)**0.5,
     noise_std=gep_noise_std, needs_public=True))
+def sparsified_case(case: Case, final_sparsity: float = 0.5) -> Case:
+  """`case` wrapped in random sparsification, checked inside a masked window.
+
+  The schedule has two epochs of `max(case.steps) + 1` steps, so epoch 0 is
+  mask-free and the wrapped case checks the inner case's steps shifted into
+  epoch 1, all in one window whose mask zeros `final_sparsity` of the
+  coordinates. At zero noise and infinite clip the result is the inner case's
+  result on the masked gradients, masked; the RMS of the noise over all
+  coordinates is the inner std times sqrt(kept fraction), which equals
+  sqrt(1 - final_sparsity) up to the floor, i.e. 1 / d (tests/stats.py's
+  tolerance is about 1 / sqrt(d)).
+  """
+  period = max(case.steps) + 1
+
+  def make(noise_multiplier, l2_norm_clip):
+    return privatizers.sparsified(
+        case.make(noise_multiplier, l2_norm_clip), final_sparsity, epochs=2,
+        steps_per_epoch=period, mask_seed=11)
+
+  def noiseless_expected(per_example_grads, public_grads=None):
+    wrapper = make(0.0, float('inf'))
+    masks = wrapper.masks(wrapper.window(period),
+                          [g.shape[1:] for g in per_example_grads])
+    masked = [g * m for g, m in zip(per_example_grads, masks)]
+    masked_public = (None if public_grads is None else
+                     [g * m for g, m in zip(public_grads, masks)])
+    expected = case.noiseless_expected(masked, masked_public)
+    return [np.asarray(e) * m.numpy() for e, m in zip(expected, masks)]
+
+  def noise_std(privatizer, step, l2_norm_clip):
+    std = case.noise_std(privatizer.inner, step, l2_norm_clip)
+    if std is None:
+      return None
+    return std * math.sqrt(1.0 - privatizer.sparsity(privatizer.window(step)))
+
+  return Case(f'sparsified({case.name})', make,
+              steps=tuple(period + s for s in case.steps),
+              noiseless_expected=noiseless_expected,
+              sensitivity=case.sensitivity, noise_std=noise_std,
+              needs_public=case.needs_public)
+
+
+# Keep last: every case above is also run wrapped in random sparsification.
+CASES += [sparsified_case(c) for c in list(CASES)]

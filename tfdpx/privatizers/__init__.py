@@ -8,3 +8,5 @@ from tfdpx.privatizers.geodp import GeoDP
 from tfdpx.privatizers.geodp import geodp
 from tfdpx.privatizers.gep import GEP
 from tfdpx.privatizers.gep import gep
+from tfdpx.privatizers.sparsification import Sparsified
+from tfdpx.privatizers.sparsification import sparsified

@@ -1,0 +1,296 @@
+"""Random sparsification (RS): a wrapper that masks any other noise step.
+
+Each window (by default one epoch) draws one data-independent random mask over
+all trainable coordinates together and zeros exactly `floor(r * d)` of them;
+the rate `r` rises linearly from 0 to `final_sparsity` ("gradual cooling").
+The mask multiplies every example's gradient before the inner privatizer clips
+it, and multiplies the inner privatizer's noisy output, so masked coordinates
+carry neither signal nor noise. See `/shared/specs/random_sparsification.md`.
+"""
+
+import math
+import warnings
+from typing import Any, Dict, List, Sequence
+
+import tensorflow as tf
+
+from tfdpx import core
+from tfdpx import noise
+
+_MASK_STREAM = 'sparsification_mask'
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+  """Validates an integer argument >= `minimum`; raises ValueError naming it."""
+  try:
+    ok = (not isinstance(value, bool) and int(value) == value and
+          minimum <= value < 2**63)
+  except (TypeError, ValueError, OverflowError):
+    ok = False
+  if not ok:
+    raise ValueError(
+        f'{name} must be an integer >= {minimum} (64-bit), got {value!r}')
+  return int(value)
+
+
+@core.register
+class Sparsified(core.Privatizer):
+  """DP-SGD with random sparsification around any privatizer (Zhu & Blaschko).
+
+  Window `k` (one epoch by default, or `1 / refreshes_per_epoch` of one) has
+  sparsity `r(k) = final_sparsity * k / max(refreshes_per_epoch * epochs - 1,
+  1)`, capped at `final_sparsity` (spec §1.4; `r = 0` in the first window and
+  for a single window). Its mask zeros `floor(r(k) * d)` coordinates drawn
+  uniformly without replacement from all `d` coordinates of all variables
+  together (not per variable). One step:
+
+  1. multiply every example's gradient (and every public gradient) by the mask
+     of the current window, the same mask for every example;
+  2. run the inner privatizer on the masked gradients (it clips the masked
+     gradients, so the clip norm is that of the masked vector: spec §1.5);
+  3. multiply the inner privatizer's noisy sum by the mask, so masked
+     coordinates get no noise. Nothing is rescaled (no `1 / (1 - r)`).
+
+  The mask depends only on `mask_seed` and the window index (a stateless draw
+  in its own stream, `noise.substream(..., "sparsification_mask")`), never on
+  data, gradients or the noise seed. `mask_seed` is a public hyperparameter in
+  `config`: the privacy argument conditions on the mask, so publishing it costs
+  nothing, while the noise keeps its secret per-step `seed`. A per-step seed
+  could not key the mask anyway, since one mask must serve every step of a
+  window.
+
+  With plain SGD (no momentum, no weight decay) masked coordinates do not move
+  in that step. Optimizer slots are not touched: with momentum a masked
+  coordinate keeps moving by its decaying velocity, and with Adam the moments
+  decay while the parameter may still move (spec §1.6).
+
+  Privacy:
+    The mask is data-independent, so condition on it. Masking each example's
+    gradient is a per-example transformation applied before the inner
+    privatizer clips, so the inner privatizer's guarantee holds unchanged for
+    the masked gradients (for `gaussian`: each masked gradient is clipped to
+    global L2 norm `l2_norm_clip`, and the sum gets
+    N(0, (noise_multiplier * l2_norm_clip)^2) noise); masking the output is
+    post-processing. One step is therefore exactly the inner privatizer's
+    event, `inner.dp_event(step)`, under the inner privatizer's adjacency
+    (add/remove one example). RS neither costs nor saves privacy.
+
+  References:
+    Zhu & Blaschko, "Improving Differentially Private SGD via Randomly
+    Sparsified Gradients", TMLR 2023.
+  """
+
+  name = 'sparsified'
+
+  def __init__(self,
+               inner: core.Privatizer,
+               final_sparsity: float,
+               epochs: int,
+               steps_per_epoch: int,
+               refreshes_per_epoch: int = 1,
+               mask_seed: int = 0):
+    """Args:
+      inner: the privatizer to wrap, or its `tfdpx.serialize`d form.
+      final_sparsity: `r*`, the fraction of coordinates zeroed in the last
+        window, in [0, 1). The paper's runs use 0.5, 0.7 or 0.9.
+      epochs: `E`, the number of epochs the schedule spans; training longer
+        keeps `r = final_sparsity` with a new mask every window.
+      steps_per_epoch: `S`, optimizer steps per epoch (`round(1 / q)` under
+        Poisson sampling with probability `q`).
+      refreshes_per_epoch: `R`, masks per epoch (spec §1.8(e)); each window
+        has `S // R` steps and the last window of an epoch also takes the
+        remaining `S % R` steps. The paper uses 1.
+      mask_seed: public non-negative integer that keys the masks.
+
+    Raises:
+      ValueError: naming the argument that is out of range.
+    """
+    if isinstance(inner, dict):
+      inner = core.deserialize(inner)
+    if not isinstance(inner, core.Privatizer):
+      raise ValueError(f'inner must be a tfdpx privatizer, got {inner!r}')
+    try:
+      final_sparsity = float(final_sparsity)
+    except (TypeError, ValueError):
+      raise ValueError(
+          f'final_sparsity must be a number, got {final_sparsity!r}') from None
+    if not 0 <= final_sparsity < 1:
+      raise ValueError(
+          f'final_sparsity must be in [0, 1), got {final_sparsity!r}')
+    epochs = _check_int('epochs', epochs, 1)
+    steps_per_epoch = _check_int('steps_per_epoch', steps_per_epoch, 1)
+    refreshes_per_epoch = _check_int('refreshes_per_epoch',
+                                     refreshes_per_epoch, 1)
+    if refreshes_per_epoch > steps_per_epoch:
+      raise ValueError(
+          f'refreshes_per_epoch must be at most steps_per_epoch '
+          f'({steps_per_epoch}), got {refreshes_per_epoch!r}')
+    mask_seed = _check_int('mask_seed', mask_seed, 0)
+    if final_sparsity > 0 and epochs * refreshes_per_epoch == 1:
+      warnings.warn(
+          'sparsified: a single window (epochs * refreshes_per_epoch == 1) '
+          'has sparsity 0, so nothing is sparsified (spec §1.4)')
+    self._inner = inner
+    self._final_sparsity = final_sparsity
+    self._epochs = epochs
+    self._steps_per_epoch = steps_per_epoch
+    self._refreshes = refreshes_per_epoch
+    self._mask_seed = mask_seed
+    # The rate the ramp reaches; a single window means no sparsification at
+    # all, also when training runs past it (spec §1.4, P7).
+    self._top = 0.0 if epochs * refreshes_per_epoch == 1 else final_sparsity
+
+  @property
+  def inner(self) -> core.Privatizer:
+    return self._inner
+
+  @property
+  def requires_public_grads(self) -> bool:
+    return self._inner.requires_public_grads
+
+  @property
+  def config(self) -> Dict[str, Any]:
+    return {'inner': core.serialize(self._inner),
+            'final_sparsity': self._final_sparsity,
+            'epochs': self._epochs,
+            'steps_per_epoch': self._steps_per_epoch,
+            'refreshes_per_epoch': self._refreshes,
+            'mask_seed': self._mask_seed}
+
+  @property
+  def noise_multiplier(self) -> float:
+    return self._inner.noise_multiplier
+
+  def with_noise_multiplier(self, noise_multiplier: float) -> 'Sparsified':
+    """The same wrapper around `inner.with_noise_multiplier(noise_multiplier)`."""
+    return type(self)(**{
+        **self.config,
+        'inner': self._inner.with_noise_multiplier(noise_multiplier)})
+
+  # --- schedule (the same arithmetic in Python and in the graph) -------------
+
+  @property
+  def _steps_per_window(self) -> int:
+    return self._steps_per_epoch // self._refreshes
+
+  @property
+  def _denominator(self) -> float:
+    return float(max(self._refreshes * self._epochs - 1, 1))
+
+  def window(self, step: int) -> int:
+    """The mask window of step `step` (0-based optimizer steps)."""
+    epoch, within = divmod(int(step), self._steps_per_epoch)
+    part = min(within // self._steps_per_window, self._refreshes - 1)
+    return epoch * self._refreshes + part
+
+  def sparsity(self, window: int) -> float:
+    """`r(window)`: the fraction of coordinates zeroed in that window."""
+    return min(self._top * float(window) / self._denominator, self._top)
+
+  def num_zeroed(self, window: int, num_coordinates: int) -> int:
+    """`floor(r(window) * d)` for `d = num_coordinates`."""
+    return math.floor(self.sparsity(window) * float(num_coordinates))
+
+  def _window_tensor(self, step: tf.Tensor) -> tf.Tensor:
+    step = tf.cast(step, tf.int64)
+    epoch = step // self._steps_per_epoch
+    within = step % self._steps_per_epoch
+    part = tf.minimum(within // self._steps_per_window, self._refreshes - 1)
+    return epoch * self._refreshes + part
+
+  def _num_zeroed_tensor(self, window: tf.Tensor, num_coordinates: int):
+    top = tf.constant(self._top, tf.float64)
+    rate = tf.minimum(
+        top * tf.cast(window, tf.float64) /
+        tf.constant(self._denominator, tf.float64), top)
+    return tf.cast(
+        tf.floor(rate * tf.constant(float(num_coordinates), tf.float64)),
+        tf.int64)
+
+  # --- masks -----------------------------------------------------------------
+
+  def masks(self, window, shapes: Sequence[Sequence[int]],
+            dtype=tf.float32) -> List[tf.Tensor]:
+    """The 0/1 masks of window `window`, one per variable shape.
+
+    Args:
+      window: window index (Python int or int64 scalar tensor).
+      shapes: the variable shapes, in `var_list` order (fully defined).
+      dtype: dtype of the masks.
+
+    Returns:
+      One tensor of each shape; `1` keeps a coordinate, `0` zeros it. Over
+      all of them together exactly `floor(r(window) * d)` entries are 0.
+    """
+    shapes = [tf.TensorShape(s) for s in shapes]
+    for shape in shapes:
+      if not shape.is_fully_defined():
+        raise ValueError(f'sparsified needs static variable shapes, got {shape}')
+    sizes = [shape.num_elements() for shape in shapes]
+    flat = self._flat_mask(tf.cast(window, tf.int64), sum(sizes))
+    return [tf.cast(tf.reshape(part, shape), dtype)
+            for part, shape in zip(tf.split(flat, sizes), shapes)]
+
+  def _flat_mask(self, window: tf.Tensor, size: int) -> tf.Tensor:
+    """A float32 `[size]` mask zeroing a uniform subset of `num_zeroed` entries."""
+    key = noise.substream(
+        tf.stack([tf.constant(self._mask_seed, tf.int64), window]),
+        _MASK_STREAM)
+    # A uniform random permutation as the argsort of 63-bit random keys
+    # (spec §1.3 advises against float32 keys, which tie). tf.random's
+    # stateless_shuffle has no XLA kernel; the raw Philox bits are the same
+    # with and without XLA.
+    bits = tf.random.stateless_uniform(
+        [size, 2], key, minval=None, maxval=None, dtype=tf.uint32,
+        alg='philox')
+    keys = (tf.cast(bits[:, 0], tf.int64) * 2**31 +
+            tf.cast(tf.bitwise.right_shift(bits[:, 1], 1), tf.int64))
+    order = tf.argsort(keys, stable=True)
+    # The first `num_zeroed` positions of the permutation are zeroed: exactly
+    # that many zeros whatever the keys (ties only touch uniformity, with
+    # probability about size^2 / 2^64).
+    kept = tf.cast(
+        tf.range(size, dtype=tf.int64) >=
+        self._num_zeroed_tensor(window, size), tf.float32)
+    return tf.scatter_nd(order[:, None], kept, [size])
+
+  # --- privatizer ------------------------------------------------------------
+
+  def init(self, params):
+    return {'inner': self._inner.init(params),
+            'step': tf.constant(0, tf.int64)}
+
+  def update(self, per_example_grads, state, seed, *, public_grads=None):
+    step = tf.convert_to_tensor(state['step'], tf.int64)
+    masks = self.masks(self._window_tensor(step),
+                       [g.shape[1:] for g in per_example_grads])
+
+    def apply(tensors):
+      # The mask broadcasts over the leading batch axis: one mask for all.
+      return [t * tf.cast(m, t.dtype) for t, m in zip(tensors, masks)]
+
+    if public_grads is not None:
+      # The inner step then works inside the kept coordinates throughout
+      # (e.g. GEP's public subspace). Public data costs no privacy.
+      public_grads = apply(public_grads)
+    noisy_sum, inner_state = self._inner.update(
+        apply(per_example_grads), state['inner'], seed,
+        public_grads=public_grads)
+    return apply(noisy_sum), {'inner': inner_state, 'step': step + 1}
+
+  def dp_event(self, step):
+    # The mask is data-independent: exactly the inner step's cost.
+    return self._inner.dp_event(step)
+
+
+def sparsified(inner: core.Privatizer,
+               final_sparsity: float,
+               epochs: int,
+               steps_per_epoch: int,
+               *,
+               refreshes_per_epoch: int = 1,
+               mask_seed: int = 0) -> Sparsified:
+  """Random sparsification with gradual cooling around `inner`; see `Sparsified`."""
+  return Sparsified(inner, final_sparsity, epochs, steps_per_epoch,
+                    refreshes_per_epoch=refreshes_per_epoch,
+                    mask_seed=mask_seed)
