@@ -25,7 +25,32 @@ from tfdpx import sampling
 
 FLAGS = flags.FLAGS
 
-flags.DEFINE_enum('privatizer', 'gaussian', ['gaussian'], 'The noise step.')
+flags.DEFINE_enum('privatizer', 'gaussian',
+                  ['gaussian', 'dpdr', 'gep', 'geodp'], 'The noise step.')
+flags.DEFINE_bool('sparsify', False,
+                  'Wrap the noise step in random sparsification.')
+flags.DEFINE_float('final_sparsity', 0.9,
+                   'Random sparsification: fraction of coordinates zeroed in '
+                   'the last epoch (linear cooling from 0).')
+flags.DEFINE_integer('dpdr_decomposition_steps', 50,
+                     'DPDR: steps 1..s-1 decompose; then DP-SGD.')
+flags.DEFINE_float('dpdr_alpha_share', 0.1,
+                   'DPDR: share of the step budget spent on the parallel part.')
+flags.DEFINE_enum('dpdr_granularity', 'variable',
+                  ['variable', 'layer', 'global'], 'DPDR: decomposition blocks.')
+flags.DEFINE_integer('gep_num_bases', 100, 'GEP: number of basis vectors.')
+flags.DEFINE_float('gep_residual_l2_norm_clip', None,
+                   'GEP: clip norm of the residual (default l2_norm_clip / 5);'
+                   ' --l2_norm_clip clips the embedding.')
+flags.DEFINE_integer('gep_num_groups', 3, 'GEP: parameter groups.')
+flags.DEFINE_integer('public_examples', 0,
+                     'Examples taken from the training set as public data '
+                     '(GEP anchors); they are not trained on privately.')
+flags.DEFINE_enum('geodp_mode', 'sound', ['sound', 'paper'],
+                  'GeoDP: "paper" is not private (see docs/geodp.md).')
+flags.DEFINE_float('geodp_beta', 1.0, 'GeoDP paper mode: beta.')
+flags.DEFINE_float('geodp_direction_budget_fraction', 0.5,
+                   'GeoDP sound mode: share of the budget on the direction.')
 flags.DEFINE_enum('dataset', 'mnist5k', datasets.OFFLINE + datasets.TFDS,
                   'Dataset.')
 flags.DEFINE_enum('model', 'tutorial_cnn', sorted(models.MODELS),
@@ -64,8 +89,29 @@ flags.DEFINE_integer('verbose', 2, 'Keras fit verbosity.')
 
 def build_privatizer(noise_multiplier, steps_per_epoch):
   """The privatizer the flags describe, at the given noise multiplier."""
-  del steps_per_epoch  # Used by schedule-driven privatizers.
-  privatizer = tfdpx.privatizers.gaussian(FLAGS.l2_norm_clip, noise_multiplier)
+  clip = FLAGS.l2_norm_clip
+  name = FLAGS.privatizer
+  if name == 'gaussian':
+    privatizer = tfdpx.privatizers.gaussian(clip, noise_multiplier)
+  elif name == 'dpdr':
+    privatizer = tfdpx.privatizers.dpdr(
+        clip, noise_multiplier, FLAGS.dpdr_decomposition_steps,
+        FLAGS.dpdr_alpha_share, FLAGS.dpdr_granularity)
+  elif name == 'gep':
+    residual = FLAGS.gep_residual_l2_norm_clip or clip / 5
+    privatizer = tfdpx.privatizers.gep(
+        FLAGS.gep_num_bases, clip, residual, noise_multiplier,
+        num_groups=FLAGS.gep_num_groups)
+  else:
+    paper = FLAGS.geodp_mode == 'paper'
+    privatizer = tfdpx.privatizers.geodp(
+        clip, noise_multiplier, FLAGS.geodp_mode, FLAGS.geodp_beta,
+        FLAGS.geodp_direction_budget_fraction,
+        expected_batch_size=FLAGS.batch_size if paper else None)
+  if FLAGS.sparsify:
+    privatizer = tfdpx.privatizers.sparsified(
+        privatizer, FLAGS.final_sparsity, FLAGS.epochs, steps_per_epoch,
+        mask_seed=FLAGS.seed or 0)
   return privatizer
 
 
@@ -110,6 +156,13 @@ def run(argv=None):
   if FLAGS.train_examples:
     x_train, y_train = (x_train[:FLAGS.train_examples],
                         y_train[:FLAGS.train_examples])
+  public_data = None
+  if FLAGS.public_examples:
+    k = FLAGS.public_examples
+    public_data = (x_train[:k], y_train[:k])
+    x_train, y_train = x_train[k:], y_train[k:]
+  elif FLAGS.privatizer == 'gep':
+    raise ValueError('--privatizer=gep needs --public_examples > 0')
   n = len(x_train)
   q = FLAGS.batch_size / n
   if FLAGS.sampling == 'poisson':
@@ -127,8 +180,12 @@ def run(argv=None):
 
   tf.keras.utils.set_random_seed(seed)
   model = models.MODELS[FLAGS.model](x_train.shape[1:], num_classes)
-  trained = (tfdpx.keras.make_private(model) if FLAGS.engine == 'make_private'
-             else model)
+  if FLAGS.engine == 'make_private':
+    trained = tfdpx.keras.make_private(model, public_data=public_data)
+  elif public_data is not None:
+    raise ValueError('public data needs --engine=make_private')
+  else:
+    trained = model
   optimizer = build_optimizer(privatizer, FLAGS.seed)
   trained.compile(
       optimizer,
