@@ -218,6 +218,10 @@ def chunked(fn: Callable[[List[tf.Tensor]], List[tf.Tensor]],
           for o, s in zip(outputs, signature)]
 
 
+def _is_recurrent_loop(layer) -> bool:
+  return isinstance(layer, tf.keras.layers.RNN) and not layer.unroll
+
+
 def _fallback_grads(layer, args, kwargs, outputs, output_grads, chunk_size):
   """Per-example gradients of `layer.trainable_weights` by vectorized_map."""
   variables = layer.trainable_weights
@@ -239,17 +243,22 @@ def _fallback_grads(layer, args, kwargs, outputs, output_grads, chunk_size):
                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return [tf.convert_to_tensor(g) for g in grads]  # Embeddings: dense.
 
+  def loop(chunk):
+    return tf.map_fn(one_example, chunk, fn_output_signature=signature)
+
   def one_chunk(chunk):
+    if _is_recurrent_loop(layer):
+      return loop(chunk)  # pfor fails on the gradient of its while loop.
     try:
       return tf.vectorized_map(one_example, chunk)
     except Exception:  # pylint: disable=broad-except
-      # pfor cannot vectorize some gradients (e.g. LSTM's while loop):
-      # loop over the chunk's examples instead; any genuine error reappears.
+      # pfor cannot vectorize some gradients: loop over the chunk's examples
+      # instead; a genuine error in the layer reappears there.
       _LOG.warning(
           'tfdpx: tf.vectorized_map cannot vectorize the per-example '
           'gradient of layer %r; looping over examples instead (slower).',
           layer.name)
-      return tf.map_fn(one_example, chunk, fn_output_signature=signature)
+      return loop(chunk)
 
   signature = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
   grads = chunked(one_chunk, [flat[i] for i in batched] + list(output_grads),
@@ -282,6 +291,7 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
   Raises:
     ValueError: if a regularization loss depends on the data.
   """
+  inputs = tf.nest.map_structure(tf.convert_to_tensor, inputs)
   with tf.GradientTape(persistent=True) as tape:
     recorder = _Recorder(tape, use_rules)
     float_inputs = [t for t in tf.nest.flatten(inputs) if _is_float(t)]

@@ -127,6 +127,8 @@ class _PrivateTraining:
           'a model made private trains with a tfdpx optimizer '
           f'(tfdpx.keras.DPSGD, DPAdam, DPAdagrad), got '
           f'{type(optimizer).__name__}')
+    if not self.built:  # Creates the variables without running the model.
+      self.build(tf.nest.map_structure(lambda t: t.shape, x))
     check_private_compatible(self)
     var_list = self.trainable_variables
     result = per_example.model_gradients(
