@@ -78,11 +78,13 @@ class GradientResult(NamedTuple):
   Attributes:
     per_example_grads: one `[B, *var.shape]` tensor per variable of `var_list`.
     outputs: the model's outputs on the batch (for metrics).
+    losses: the `[B]` per-example losses.
     regularization_loss: the sum of `model.losses`, or None if there are none.
     regularization_grads: its gradient, one tensor per variable, or None.
   """
   per_example_grads: List[tf.Tensor]
   outputs: Any
+  losses: tf.Tensor
   regularization_loss: Optional[tf.Tensor]
   regularization_grads: Optional[List[tf.Tensor]]
 
@@ -204,12 +206,11 @@ def chunked(fn: Callable[[List[tf.Tensor]], List[tf.Tensor]],
   index = tf.range(num_chunks * chunk_size) % batch
 
   def split(tensor):
-    inner = tensor.shape[1:]
-    inner = inner.as_list() if inner.is_fully_defined() else tf.shape(
-        tensor)[1:]
-    return tf.reshape(
-        tf.gather(tensor, index),
-        tf.concat([[num_chunks, chunk_size], inner], axis=0))
+    shape = tf.concat([tf.stack([num_chunks, chunk_size]),
+                       tf.shape(tensor)[1:]], axis=0)
+    chunks = tf.reshape(tf.gather(tensor, index), shape)
+    chunks.set_shape([None, chunk_size, *tensor.shape[1:]])
+    return chunks
 
   specs = [tf.TensorSpec([chunk_size, *s.shape], s.dtype) for s in signature]
   outputs = tf.map_fn(lambda chunk: list(fn(chunk)),
@@ -339,7 +340,7 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
       sums.get(v.ref(), tf.zeros(tf.concat([[batch], tf.shape(v)], 0),
                                  v.dtype)) for v in var_list
   ]
-  return GradientResult(per_example_grads, outputs, regularization,
+  return GradientResult(per_example_grads, outputs, losses, regularization,
                         regularization_grads)
 
 

@@ -150,8 +150,11 @@ class _PrivateTraining:
       # gradient is added after the noise, outside the clipped sum.
       grads = [g + r for g, r in zip(grads, result.regularization_grads)]
     optimizer.apply_gradients(zip(grads, var_list))
-    regularization = ([result.regularization_loss]
-                      if result.regularization_loss is not None else None)
+    regularization = None
+    if result.regularization_loss is not None:
+      # Per example, as Keras's container adds it to unreduced losses.
+      regularization = [tf.fill(tf.shape(result.losses),
+                                result.regularization_loss)]
     self.compiled_loss(y, result.outputs, sample_weight,
                        regularization_losses=regularization)
     return self.compute_metrics(x, y, result.outputs, sample_weight)
