@@ -24,11 +24,11 @@ _LOG = logging.getLogger(__name__)
 
 JACOBIAN_WARNING = (
     'tfdpx: per-example gradients by tape.jacobian (the compile path) cost '
-    'the square of the batch size: at batch 256 a step of a small CNN takes '
-    'hundreds of times a non-private step. Train '
+    'the square of the batch size: at batch 256 a step of the tensorflow-'
+    'privacy tutorial CNN measured about 100 times a non-private step. Train '
     'tfdpx.keras.make_private(model) instead: the same optimizer, per-layer '
-    'per-example gradients in linear time, typically 2 to 4 times a '
-    'non-private step (see benchmarks/README.md).')
+    'per-example gradients in linear time (1.4 times a non-private step on '
+    'that CNN; see benchmarks/README.md).')
 
 
 def _secret_seed() -> int:
