@@ -14,7 +14,6 @@ Peak memory is the maximum resident set of a fresh process that trains a few
 steps of one configuration (`--memory`), so one figure does not hide another.
 """
 
-import resource
 import statistics
 import subprocess
 import sys
@@ -177,7 +176,12 @@ def _probe():
   model_name, batch, config = FLAGS.memory_probe.split(',')
   batch = int(batch)
   seconds_per_step(build(model_name, batch, config), batch, 3)
-  print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+  # VmHWM, not getrusage: after fork and exec, ru_maxrss keeps the parent's
+  # high-water mark; VmHWM belongs to this process image only.
+  with open('/proc/self/status') as status:
+    kib = next(int(line.split()[1]) for line in status
+               if line.startswith('VmHWM:'))
+  print(kib / 1024)
 
 
 def main(argv):
