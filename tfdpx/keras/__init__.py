@@ -6,3 +6,7 @@ from tfdpx.keras.optimizers import DPAdagrad
 from tfdpx.keras.optimizers import DPAdam
 from tfdpx.keras.optimizers import DPOptimizerMixin
 from tfdpx.keras.optimizers import DPSGD
+from tfdpx.keras.models import DPFunctional
+from tfdpx.keras.models import DPModel
+from tfdpx.keras.models import DPSequential
+from tfdpx.keras.models import make_private

@@ -1,0 +1,260 @@
+"""Models made private: `make_private`, `DPModel`, `DPSequential`."""
+
+import logging
+
+import dp_accounting
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdpx
+from tfdpx import core
+from tfdpx.keras import optimizers
+from tfdpx.privatizers import gaussian
+
+L = tf.keras.layers
+NONE = tf.keras.losses.Reduction.NONE
+
+
+def _data(n=12, seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(n, 6, 6, 1)).astype('float32')
+  y = rng.integers(0, 3, size=(n,))
+  return x, y
+
+
+def _cnn(seed=0, **dense_kwargs):
+  tf.keras.utils.set_random_seed(seed)
+  return tf.keras.Sequential([
+      tf.keras.Input((6, 6, 1)),
+      L.Conv2D(3, 3, strides=2, padding='same', activation='relu'),
+      L.Flatten(),
+      L.Dense(3, **dense_kwargs),
+  ])
+
+
+def _loss(reduction=NONE):
+  return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                       reduction=reduction)
+
+
+def _sgd(privatizer=None, **kwargs):
+  return tfdpx.keras.DPSGD(
+      privatizer=privatizer or gaussian(0.5, 1.0), expected_batch_size=12,
+      seed=3, learning_rate=0.5, **kwargs)
+
+
+@pytest.mark.parametrize('num_microbatches', [None, 4])
+def test_compile_path_and_make_private_give_the_same_noisy_update(
+    num_microbatches):
+  x, y = _data()
+  plain, private_base = _cnn(), _cnn()
+  plain.compile(_sgd(num_microbatches=num_microbatches), _loss())
+  private = tfdpx.keras.make_private(private_base)
+  private.compile(_sgd(num_microbatches=num_microbatches), _loss())
+  start = plain.get_weights()
+  plain.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+  private.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+  for a, b, s in zip(plain.get_weights(), private.get_weights(), start):
+    assert not np.allclose(a, s)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_make_private_shares_layers_and_weights():
+  model = _cnn()
+  private = tfdpx.keras.make_private(model)
+  assert isinstance(private, tfdpx.keras.DPModel)
+  assert all(a is b for a, b in zip(model.layers, private.layers[1:]))
+  private.compile(_sgd(), _loss(), metrics=['accuracy'])
+  x, y = _data()
+  history = private.fit(x, y, batch_size=4, epochs=1, verbose=0)
+  assert {'loss', 'accuracy'} <= set(history.history)
+  for a, b in zip(model.get_weights(), private.get_weights()):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_allclose(model.predict(x, verbose=0),
+                             private.predict(x, verbose=0))
+  assert len(private.evaluate(x, y, verbose=0)) == 2
+
+
+def test_jit_compile_trains_to_the_same_weights():
+  x, y = _data()
+  runs = []
+  for jit_compile in (False, True):
+    model = tfdpx.keras.make_private(_cnn())
+    model.compile(_sgd(), _loss(), jit_compile=jit_compile)
+    model.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    runs.append(model.get_weights())
+  for a, b in zip(*runs):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  assert not np.allclose(runs[0][0], _cnn().get_weights()[0])
+
+
+def test_dp_sequential_and_subclassed_dp_model_train():
+  x, y = _data()
+  sequential = tfdpx.keras.DPSequential(
+      [L.Conv2D(2, 3), L.Flatten(), L.Dense(3)], chunk_size=5)
+
+  class Subclassed(tfdpx.keras.DPModel):
+
+    def __init__(self):
+      super().__init__(chunk_size=5)
+      self.flatten, self.dense = L.Flatten(), L.Dense(3)
+
+    def call(self, inputs, training=None):
+      return self.dense(self.flatten(inputs))
+
+  for model in (sequential, Subclassed()):
+    model.compile(_sgd(), _loss())
+    model.fit(x, y, batch_size=12, epochs=1, verbose=0)
+    assert model.optimizer.dp_steps.numpy() == 1
+
+
+def _without_noise_step(model, x, y, **fit_kwargs):
+  model.compile(
+      tfdpx.keras.DPSGD(privatizer=gaussian(float('inf'), 0.0),
+                        expected_batch_size=len(y), learning_rate=1.0),
+      _loss())
+  start = model.get_weights()
+  model.fit(x, y, batch_size=len(y), epochs=1, shuffle=False, verbose=0,
+            **fit_kwargs)
+  return [s - w for s, w in zip(start, model.get_weights())]
+
+
+def test_sample_weights_weight_each_example():
+  x, y = _data()
+  weights = np.linspace(0.0, 2.0, len(y)).astype('float32')
+  step = _without_noise_step(tfdpx.keras.make_private(_cnn()), x, y,
+                             sample_weight=weights)
+  reference = _cnn()
+  with tf.GradientTape() as tape:
+    loss = tf.reduce_sum(weights * _loss()(y, reference(x))) / len(y)
+  expected = tape.gradient(loss, reference.trainable_variables)
+  for got, want in zip(step, expected):
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_regularization_gradient_is_added_outside_the_clip():
+  x, y = _data()
+  regularizer = tf.keras.regularizers.L2(10.0)
+  model = tfdpx.keras.make_private(_cnn(kernel_regularizer=regularizer))
+  kernel = model.layers[-1].kernel.numpy()
+  # A clip of 1e-9 silences the data; the large penalty's gradient survives.
+  model.compile(
+      tfdpx.keras.DPSGD(privatizer=gaussian(1e-9, 0.0), expected_batch_size=12,
+                        learning_rate=0.01), _loss())
+  model.fit(x, y, batch_size=12, epochs=1, verbose=0)
+  np.testing.assert_allclose(model.layers[-1].kernel.numpy(),
+                             kernel - 0.01 * 2 * 10.0 * kernel, rtol=1e-4,
+                             atol=1e-7)
+
+
+def test_batch_normalization_is_refused_with_a_clear_error():
+  model = tf.keras.Sequential(
+      [tf.keras.Input((4,)), L.Dense(3), L.BatchNormalization(), L.Dense(2)])
+  with pytest.raises(ValueError, match='GroupNormalization or LayerNorm'):
+    tfdpx.keras.make_private(model)
+  model.layers[1].trainable = False  # Frozen: inference mode, allowed.
+  tfdpx.keras.make_private(model)
+
+  class WithBatchNorm(tfdpx.keras.DPModel):
+
+    def __init__(self):
+      super().__init__()
+      self.norm, self.dense = L.BatchNormalization(), L.Dense(2)
+
+    def call(self, inputs, training=None):
+      return self.dense(self.norm(inputs, training=training))
+
+  subclassed = WithBatchNorm()
+  subclassed.compile(_sgd(), _loss())
+  with pytest.raises(ValueError, match='mixes the examples'):
+    subclassed.fit(np.ones((4, 4)), np.zeros(4), verbose=0)
+
+
+def test_activity_regularizer_is_refused():
+  model = tf.keras.Sequential([
+      tf.keras.Input((4,)),
+      L.Dense(2, activity_regularizer=tf.keras.regularizers.L2(1.0))])
+  with pytest.raises(ValueError, match='activity_regularizer'):
+    tfdpx.keras.make_private(model)
+
+
+def test_a_plain_optimizer_is_refused():
+  model = tfdpx.keras.make_private(_cnn())
+  model.compile(tf.keras.optimizers.legacy.SGD(), _loss())
+  x, y = _data()
+  with pytest.raises(ValueError, match='tfdpx optimizer'):
+    model.fit(x, y, verbose=0)
+
+
+def test_the_compile_path_warns_once_and_names_make_private(caplog):
+  x, y = _data()
+  model = _cnn()
+  model.compile(_sgd(), _loss())
+  with caplog.at_level(logging.WARNING, logger=optimizers.__name__):
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+  warnings = [r for r in caplog.records if 'make_private' in r.getMessage()]
+  assert len(warnings) == 1
+  caplog.clear()
+  private = tfdpx.keras.make_private(_cnn())
+  private.compile(_sgd(), _loss())
+  with caplog.at_level(logging.WARNING, logger=optimizers.__name__):
+    private.fit(x, y, batch_size=4, epochs=1, verbose=0)
+  assert not [r for r in caplog.records if 'make_private' in r.getMessage()]
+
+
+class _PublicSum(core.Privatizer):
+  """Test double: releases the plain sum of the public per-example gradients."""
+
+  name = 'test_public_sum'
+  requires_public_grads = True
+
+  @property
+  def config(self):
+    return {'noise_multiplier': 0.0}
+
+  def update(self, per_example_grads, state, seed, *, public_grads=None):
+    del per_example_grads, seed
+    return [tf.reduce_sum(g, axis=0) for g in public_grads], state
+
+  def dp_event(self, step):
+    return dp_accounting.NonPrivateDpEvent()
+
+
+def test_public_data_reaches_the_privatizer_unclipped_in_chunks():
+  x, y = _data()
+  x_public, y_public = _data(n=7, seed=1)
+  reference = _cnn()
+  with tf.GradientTape() as tape:
+    loss = tf.reduce_sum(_loss()(y_public, reference(x_public)))
+  expected = tape.gradient(loss, reference.trainable_variables)
+
+  model = tfdpx.keras.make_private(
+      _cnn(), public_data=(x_public, y_public), public_chunk_size=3)
+  model.compile(
+      tfdpx.keras.DPSGD(privatizer=_PublicSum(), expected_batch_size=1.0,
+                        learning_rate=1.0), _loss())
+  start = model.get_weights()
+  model.fit(x, y, batch_size=12, epochs=1, verbose=0)
+  for s, w, want in zip(start, model.get_weights(), expected):
+    np.testing.assert_allclose(s - w, want.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_a_privatizer_needing_public_data_fails_without_it():
+  model = tfdpx.keras.make_private(_cnn())
+  model.compile(
+      tfdpx.keras.DPSGD(privatizer=_PublicSum(), expected_batch_size=1.0),
+      _loss())
+  x, y = _data()
+  with pytest.raises(ValueError, match='public'):
+    model.fit(x, y, verbose=0)
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    ({'chunk_size': 0}, 'chunk_size'),
+    ({'public_data': np.ones(3)}, 'public_data'),
+    ({'public_chunk_size': 4}, 'public_chunk_size'),
+])
+def test_bad_engine_arguments_are_refused_by_name(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    tfdpx.keras.make_private(_cnn(), **kwargs)

@@ -1,0 +1,204 @@
+"""The linear-time engine: rules and fallback equal single-example tapes."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdpx import layer_rules
+from tfdpx import per_example
+
+L = tf.keras.layers
+BATCH = 5
+
+
+def _squared_error(targets, outputs):
+  axes = list(range(1, outputs.shape.rank))
+  return tf.reduce_sum(tf.square(outputs - targets), axis=axes)
+
+
+def _floats(*shape):
+  return lambda rng: rng.normal(size=(BATCH,) + shape).astype('float32')
+
+
+def _ids(length, vocab):
+  return lambda rng: rng.integers(0, vocab, size=(BATCH, length))
+
+
+def _mixed():
+  """A functional model mixing every ruled layer with a fallback (LSTM)."""
+  ids = tf.keras.Input((6,), dtype='int32')
+  signal = tf.keras.Input((6, 3))
+  embedded = L.Embedding(7, 3)(ids)
+  x = L.Concatenate()([embedded, signal])
+  x = L.Conv1D(4, 3, padding='causal', dilation_rate=2, activation='relu')(x)
+  x = L.LayerNormalization()(x)
+  recurrent = L.LSTM(3, return_sequences=True)(x)
+  image = L.Reshape((6, 4, 1))(x)
+  image = L.Conv2D(4, 2, strides=(2, 1), padding='same')(image)
+  image = L.GroupNormalization(2)(image)
+  x = L.Concatenate()([L.Flatten()(image), L.Flatten()(recurrent)])
+  outputs = L.Dense(2)(L.Dense(5, activation='tanh')(x))
+  return tf.keras.Model([ids, signal], outputs)
+
+
+MODELS = {
+    'dense': (lambda: tf.keras.Sequential([
+        tf.keras.Input((7,)), L.Dense(4, activation='tanh'), L.Dense(3)]),
+              _floats(7)),
+    'dense_on_sequences': (lambda: tf.keras.Sequential([
+        tf.keras.Input((6, 7)), L.Dense(4, activation='relu'), L.Dense(3)]),
+                           _floats(6, 7)),
+    'conv1d': (lambda: tf.keras.Sequential([
+        tf.keras.Input((9, 3)),
+        L.Conv1D(4, 3, strides=2, padding='same', activation='relu'),
+        L.Conv1D(2, 2, padding='causal', dilation_rate=2),
+        L.Conv1D(2, 2, padding='valid', use_bias=False)]), _floats(9, 3)),
+    'conv2d': (lambda: tf.keras.Sequential([
+        tf.keras.Input((9, 8, 3)),
+        L.Conv2D(4, 3, strides=(2, 1), padding='same', activation='relu'),
+        L.Conv2D(3, 2, padding='valid', dilation_rate=2),
+        L.Conv2D(2, (3, 2), strides=2, padding='valid')]), _floats(9, 8, 3)),
+    'embedding': (lambda: tf.keras.Sequential([
+        tf.keras.Input((6,), dtype='int32'), L.Embedding(10, 4),
+        L.Flatten(), L.Dense(2)]), _ids(6, 10)),
+    'lstm': (lambda: tf.keras.Sequential([
+        tf.keras.Input((6,), dtype='int32'), L.Embedding(10, 4), L.LSTM(3),
+        L.Dense(2)]), _ids(6, 10)),
+    'layer_norm': (lambda: tf.keras.Sequential([
+        tf.keras.Input((6, 7)), L.Dense(6), L.LayerNormalization(),
+        L.LayerNormalization(axis=[1, 2]), L.Dense(2)]), _floats(6, 7)),
+    'group_norm': (lambda: tf.keras.Sequential([
+        tf.keras.Input((9, 8, 3)), L.Conv2D(4, 3), L.GroupNormalization(2),
+        L.Flatten(), L.Dense(2)]), _floats(9, 8, 3)),
+    'mixed': (_mixed, lambda rng: [_ids(6, 7)(rng), _floats(6, 3)(rng)]),
+}
+
+
+def _loop_reference(model, x, y):
+  """Per-example gradients from a Python loop of single-example tapes."""
+  rows = []
+  for i in range(BATCH):
+    xi = tf.nest.map_structure(lambda t: t[i:i + 1], x)
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(_squared_error(y[i:i + 1], model(xi)))
+    grads = tape.gradient(loss, model.trainable_variables,
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    rows.append([tf.convert_to_tensor(g).numpy() for g in grads])
+  return [np.stack(column) for column in zip(*rows)]
+
+
+@pytest.mark.parametrize('use_rules', [True, False], ids=['rules', 'fallback'])
+@pytest.mark.parametrize('name', sorted(MODELS))
+def test_per_example_gradients_equal_a_loop_of_single_example_tapes(
+    name, use_rules):
+  tf.keras.utils.set_random_seed(1)
+  build, make_x = MODELS[name]
+  model = build()
+  rng = np.random.default_rng(0)
+  x = make_x(rng)
+  y = rng.normal(size=model(x).shape).astype('float32')
+  expected = _loop_reference(model, x, y)
+
+  @tf.function  # As in training; the fallback's loops run as graphs.
+  def per_example_grads(x):
+    # Chunks of 2 examples: 3 chunks, the last one padded.
+    return per_example.model_gradients(
+        model, x, lambda outputs: _squared_error(y, outputs),
+        model.trainable_variables, chunk_size=2,
+        use_rules=use_rules).per_example_grads
+
+  grads = per_example_grads(x)
+  assert len(grads) == len(expected)
+  for got, want, var in zip(grads, expected,
+                            model.trainable_variables):
+    assert got.shape == (BATCH,) + tuple(var.shape)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5,
+                               err_msg=var.name)
+
+
+def test_rules_cover_the_ruled_layers_and_skip_what_they_cannot_do():
+  x2 = tf.zeros([2, 5, 5, 3])
+  ruled = [L.Dense(2), L.Conv2D(2, 2), L.LayerNormalization(),
+           L.GroupNormalization(1)]
+  for layer in ruled:
+    layer(x2)
+    assert layer_rules.lookup(layer, x2) is not None, layer.name
+  grouped = L.Conv2D(3, 2, groups=3)
+  transposed = L.Conv2DTranspose(2, 2)  # A Conv2D subclass: no rule.
+  for layer in (grouped, transposed):
+    layer.build(x2.shape)
+    assert layer_rules.lookup(layer, x2) is None, layer.name
+
+
+def test_a_registered_rule_is_used_for_a_custom_layer():
+
+  class Scale(L.Layer):
+
+    def build(self, input_shape):
+      self.scale = self.add_weight('scale', shape=[input_shape[-1]])
+
+    def call(self, inputs):
+      return inputs * self.scale
+
+  calls = []
+
+  def grads(layer, inputs, tap_grad):
+    calls.append(layer.name)
+    return [(layer.scale, inputs * tap_grad)]
+
+  layer_rules.register(
+      Scale, layer_rules.LayerRule(layer_rules._called_normally, grads))  # pylint: disable=protected-access
+  model = tf.keras.Sequential([tf.keras.Input((3,)), Scale()])
+  x = np.arange(6, dtype='float32').reshape(2, 3)
+  result = per_example.model_gradients(
+      model, x, lambda outputs: tf.reduce_sum(outputs, axis=1),
+      model.trainable_variables)
+  assert calls
+  np.testing.assert_allclose(result.per_example_grads[0].numpy(), x)
+
+
+def test_regularization_is_returned_apart_from_the_per_example_gradients():
+  tf.keras.utils.set_random_seed(0)
+  model = tf.keras.Sequential([
+      tf.keras.Input((3,)),
+      L.Dense(2, kernel_regularizer=tf.keras.regularizers.L2(0.5))])
+  x = np.ones((4, 3), 'float32')
+  result = per_example.model_gradients(
+      model, x, lambda outputs: tf.reduce_sum(outputs, axis=1),
+      model.trainable_variables)
+  kernel = model.layers[0].kernel
+  # d/dW of sum(xW + b) is x outer 1 for each example, no regularizer in it.
+  np.testing.assert_allclose(result.per_example_grads[0].numpy(),
+                             np.ones((4, 3, 2)))
+  np.testing.assert_allclose(result.regularization_grads[0].numpy(),
+                             2 * 0.5 * kernel.numpy(), rtol=1e-6)
+
+
+def test_a_data_dependent_add_loss_is_refused():
+
+  class Activity(L.Layer):
+
+    def call(self, inputs):
+      self.add_loss(tf.reduce_sum(inputs))
+      return inputs
+
+  model = tf.keras.Sequential([tf.keras.Input((3,)), L.Dense(2), Activity()])
+  with pytest.raises(ValueError, match='depends on the data'):
+    per_example.model_gradients(
+        model, np.ones((4, 3), 'float32'),
+        lambda outputs: tf.reduce_sum(outputs, axis=1),
+        model.trainable_variables)
+
+
+def test_chunked_pads_and_trims_to_the_batch():
+  x = tf.reshape(tf.range(7.0), [7, 1])
+  out = per_example.chunked(lambda c: [c[0] * 2.0], [x], 3,
+                            [tf.TensorSpec([1], tf.float32)])
+  np.testing.assert_allclose(out[0].numpy(), x.numpy() * 2.0)
+
+
+def test_microbatch_means_average_the_examples_of_each_microbatch():
+  grads = [tf.reshape(tf.range(8.0), [4, 2])]
+  means = per_example.microbatch_means(grads, 2)
+  np.testing.assert_allclose(means[0].numpy(), [[1.0, 2.0], [5.0, 6.0]])
+  assert per_example.microbatch_means(grads, None)[0] is grads[0]

@@ -1,0 +1,306 @@
+"""Keras models whose training step computes per-example gradients fast.
+
+`make_private(model)` returns a model sharing `model`'s layers and weights
+whose `train_step` computes per-example gradients with the linear-time engine
+(`tfdpx.per_example.model_gradients`: per-layer rules, vectorized fallback)
+instead of the optimizer's `tape.jacobian`, then hands them to the optimizer's
+`privatize`, the same call the compile path makes. `DPModel` and
+`DPSequential` are the classes behind it, for subclassing. See
+docs/per_example.md.
+"""
+
+from typing import Any, Optional, Tuple
+
+import numpy as np
+import tensorflow as tf
+from keras.src.engine import compile_utils
+from keras.src.engine import functional as functional_lib
+from keras.src.engine import training as training_lib
+from keras.src.utils import losses_utils
+
+from tfdpx import per_example
+from tfdpx.keras import optimizers
+
+DEFAULT_CHUNK_SIZE = 128
+
+_MIXING_LAYERS = (tf.keras.layers.BatchNormalization,
+                  tf.keras.layers.experimental.SyncBatchNormalization)
+
+
+def check_private_compatible(model: tf.keras.layers.Layer) -> None:
+  """Refuses layers that break per-example gradients.
+
+  Raises:
+    ValueError: for a trainable BatchNormalization layer (it normalizes each
+      example with statistics of the whole batch, so one example's gradient
+      depends on the others and clipping no longer bounds its influence) and
+      for an activity regularizer (a data-dependent loss outside the clip).
+  """
+  layers = [model] + [m for m in model.submodules
+                      if isinstance(m, tf.keras.layers.Layer)]
+  for layer in layers:
+    if isinstance(layer, _MIXING_LAYERS) and layer.trainable:
+      raise ValueError(
+          f'layer {layer.name!r} ({type(layer).__name__}) mixes the examples '
+          'of a batch in training mode: each example is normalized with the '
+          'batch statistics, so its gradient depends on the other examples '
+          'and per-example clipping no longer bounds its influence. Use '
+          'tf.keras.layers.GroupNormalization or LayerNormalization instead, '
+          'or freeze it (layer.trainable = False runs it in inference mode).')
+    if getattr(layer, 'activity_regularizer', None) is not None:
+      raise ValueError(
+          f'layer {layer.name!r} has an activity_regularizer: a loss that '
+          'depends on the data, which models made private add outside the '
+          'clipped per-example sum. Add the penalty to the per-example loss '
+          'instead.')
+
+
+def per_example_loss(model: tf.keras.Model, y_true, y_pred,
+                     sample_weight=None) -> tf.Tensor:
+  """The compiled loss of each example, `[B]`, without updating metrics.
+
+  The same computation as the compiled loss container (loss weights, masks,
+  sample weights) with `model.losses` left out.
+
+  Raises:
+    ValueError: if the compiled loss reduces over the batch.
+  """
+  # pylint: disable=protected-access
+  container = model.compiled_loss
+  y_true = container._conform_to_outputs(y_pred, y_true)
+  sample_weight = container._conform_to_outputs(y_pred, sample_weight)
+  if not container._built:
+    container.build(y_pred)
+  values = []
+  for y_t, y_p, weight, loss, loss_weight in zip(
+      tf.nest.flatten(y_true), tf.nest.flatten(y_pred),
+      tf.nest.flatten(sample_weight), container._losses,
+      container._loss_weights):
+    if y_t is None or loss is None:
+      continue
+    y_t, y_p, weight = compile_utils.match_dtype_and_rank(y_t, y_p, weight)
+    weight = losses_utils.apply_mask(y_p, weight, losses_utils.get_mask(y_p))
+    value = per_example.record_losses(loss(y_t, y_p, sample_weight=weight))
+    if loss_weight is not None:
+      value *= loss_weight
+    values.append(value)
+  # pylint: enable=protected-access
+  if not values:
+    raise ValueError('the model has no compiled loss')
+  return tf.add_n(values)
+
+
+class _PrivateTraining:
+  """The engine settings and training step shared by the model classes."""
+
+  def _set_engine(self, chunk_size, public_data, public_chunk_size,
+                  use_layer_rules):
+    if int(chunk_size) != chunk_size or chunk_size < 1:
+      raise ValueError(
+          f'chunk_size must be a positive integer, got {chunk_size!r}')
+    if public_data is not None:
+      if not isinstance(public_data, (tuple, list)) or len(public_data) != 2:
+        raise ValueError('public_data must be a pair (x_public, y_public)')
+      if (public_chunk_size is not None and
+          (int(public_chunk_size) != public_chunk_size or
+           public_chunk_size < 1)):
+        raise ValueError(f'public_chunk_size must be a positive integer, got '
+                         f'{public_chunk_size!r}')
+      public_data = tf.nest.map_structure(np.asarray, tuple(public_data))
+    elif public_chunk_size is not None:
+      raise ValueError('public_chunk_size needs public_data')
+    self._dp_chunk_size = int(chunk_size)
+    self._dp_public_data = public_data
+    self._dp_public_chunk_size = int(public_chunk_size or chunk_size)
+    self._dp_use_layer_rules = bool(use_layer_rules)
+
+  @property
+  def public_data(self) -> Optional[Tuple[Any, Any]]:
+    return self._dp_public_data
+
+  def train_step(self, data):
+    """One DP step: per-example gradients, `privatize`, apply."""
+    x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
+    optimizer = self.optimizer
+    if not isinstance(optimizer, optimizers.DPOptimizerMixin):
+      raise ValueError(
+          'a model made private trains with a tfdpx optimizer '
+          f'(tfdpx.keras.DPSGD, DPAdam, DPAdagrad), got '
+          f'{type(optimizer).__name__}')
+    if not self.built:  # Creates the variables without running the model.
+      self.build(tf.nest.map_structure(lambda t: t.shape, x))
+    check_private_compatible(self)
+    var_list = self.trainable_variables
+    result = per_example.model_gradients(
+        self, x,
+        lambda outputs: per_example_loss(self, y, outputs, sample_weight),
+        var_list, self._dp_chunk_size, self._dp_use_layer_rules)
+    records = per_example.microbatch_means(
+        result.per_example_grads, optimizer._num_microbatches)  # pylint: disable=protected-access
+    public_grads = None
+    if self._dp_public_data is not None:
+      x_public, y_public = self._dp_public_data
+      public_grads = per_example.public_gradients(
+          self, x_public, y_public,
+          lambda y_true, outputs: per_example_loss(self, y_true, outputs),
+          var_list, self._dp_public_chunk_size, self._dp_use_layer_rules)
+    grads = optimizer.privatize(records, var_list, public_grads=public_grads)
+    if result.regularization_grads is not None:
+      # model.losses are data-independent (model_gradients checks): their
+      # gradient is added after the noise, outside the clipped sum.
+      grads = [g + r for g, r in zip(grads, result.regularization_grads)]
+    optimizer.apply_gradients(zip(grads, var_list))
+    regularization = None
+    if result.regularization_loss is not None:
+      # Per example, as Keras's container adds it to unreduced losses.
+      regularization = [tf.fill(tf.shape(result.losses),
+                                result.regularization_loss)]
+    self.compiled_loss(y, result.outputs, sample_weight,
+                       regularization_losses=regularization)
+    return self.compute_metrics(x, y, result.outputs, sample_weight)
+
+  def get_config(self):
+    return {**super().get_config(), 'chunk_size': self._dp_chunk_size,
+            'use_layer_rules': self._dp_use_layer_rules}
+
+  @classmethod
+  def from_config(cls, config, custom_objects=None):
+    config = dict(config)
+    engine = {k: config.pop(k) for k in ('chunk_size', 'use_layer_rules')
+              if k in config}
+    model = super().from_config(config, custom_objects)
+    model._set_engine(  # pylint: disable=protected-access
+        engine.get('chunk_size', DEFAULT_CHUNK_SIZE), None, None,
+        engine.get('use_layer_rules', True))
+    return model
+
+
+@tf.keras.saving.register_keras_serializable(package='tfdpx')
+class DPModel(_PrivateTraining, tf.keras.Model):
+  """A Keras Model whose `train_step` computes per-example gradients fast.
+
+  Use it like `tf.keras.Model`: functional (`DPModel(inputs, outputs)`, which
+  gives a `DPFunctional`) or subclassed (override `call`). Compile it with a
+  tfdpx optimizer and an unreduced loss. Functional models get the per-layer
+  rules; a subclassed model's own `call` is one unit for the vectorized
+  fallback.
+  """
+
+  def __new__(cls, *args, **kwargs):
+    # Keras would turn DPModel itself into a Functional subclass for good
+    # (inject_functional_model_class); build the functional class instead.
+    if cls is DPModel and training_lib.is_functional_model_init_params(
+        args, kwargs):
+      return super().__new__(DPFunctional, *args, **kwargs)
+    return super().__new__(cls, *args, **kwargs)
+
+  def __init__(self, *args, chunk_size: int = DEFAULT_CHUNK_SIZE,
+               public_data=None, public_chunk_size: Optional[int] = None,
+               use_layer_rules: bool = True, **kwargs):
+    """Args:
+      *args: as `tf.keras.Model`.
+      chunk_size: examples per `tf.vectorized_map` call of the fallback (and
+        public examples per engine pass); bounds memory for large batches.
+      public_data: optional `(x_public, y_public)`; each step then also
+        computes the per-example gradients of all public examples (in chunks
+        of `public_chunk_size`) and passes them to `privatize` as
+        `public_grads`, for privatizers that need them (GEP). Public data is
+        never clipped or noised and costs no privacy.
+      public_chunk_size: public examples per engine pass (default
+        `chunk_size`).
+      use_layer_rules: False sends every layer to the vectorized fallback (for
+        comparisons; slower).
+      **kwargs: as `tf.keras.Model`.
+
+    Raises:
+      ValueError: naming the argument that is invalid.
+    """
+    super().__init__(*args, **kwargs)
+    self._set_engine(chunk_size, public_data, public_chunk_size,
+                     use_layer_rules)
+
+
+@tf.keras.saving.register_keras_serializable(package='tfdpx')
+class DPFunctional(DPModel, functional_lib.Functional):
+  """A functional `DPModel`: `DPModel(inputs, outputs)` builds one."""
+
+
+@tf.keras.saving.register_keras_serializable(package='tfdpx')
+class DPSequential(_PrivateTraining, tf.keras.Sequential):
+  """A Sequential model whose `train_step` computes per-example gradients fast."""
+
+  def __init__(self, layers=None, name=None, *,
+               chunk_size: int = DEFAULT_CHUNK_SIZE, public_data=None,
+               public_chunk_size: Optional[int] = None,
+               use_layer_rules: bool = True):
+    """Args:
+      layers, name: as `tf.keras.Sequential`.
+      chunk_size, public_data, public_chunk_size, use_layer_rules: as
+        `DPModel`.
+
+    Raises:
+      ValueError: naming the argument that is invalid.
+    """
+    super().__init__(layers, name)
+    self._set_engine(chunk_size, public_data, public_chunk_size,
+                     use_layer_rules)
+
+
+class _Wrapped(DPModel):
+  """A subclassed model made private: its `call` is one fallback unit."""
+
+  def __init__(self, model, **engine):
+    super().__init__(name=model.name + '_private', **engine)
+    self.wrapped = model
+
+  def call(self, inputs, training=None):
+    return self.wrapped(inputs, training=training)
+
+
+def make_private(model: tf.keras.Model, *,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 public_data=None, public_chunk_size: Optional[int] = None,
+                 use_layer_rules: bool = True) -> tf.keras.Model:
+  """A model sharing `model`'s layers and weights, trained with fast DP steps.
+
+  Compile the returned model with a tfdpx optimizer (`tfdpx.keras.DPSGD`, ...)
+  and an unreduced loss, exactly as for the compile path, and call `fit`: each
+  step computes per-example gradients in one batched forward and backward
+  pass (per-layer rules for Dense, Conv1D, Conv2D, Embedding,
+  LayerNormalization, GroupNormalization; a chunked `tf.vectorized_map`
+  fallback for any other layer) and hands them to the optimizer's
+  `privatize`. `evaluate` and `predict` are Keras's own.
+
+  Args:
+    model: a Sequential, functional or subclassed Keras model. Functional and
+      Sequential models get the per-layer rules; a subclassed model is one
+      fallback unit.
+    chunk_size, public_data, public_chunk_size, use_layer_rules: see
+      `DPModel`.
+
+  Returns:
+    A `DPModel` or `DPSequential`.
+
+  Raises:
+    ValueError: for a trainable BatchNormalization layer or an activity
+      regularizer (see `check_private_compatible`), or a bad argument.
+
+  Privacy:
+    Each example's gradient is computed from that example alone as long as no
+    layer mixes the examples of a batch (BatchNormalization is refused; a
+    custom layer that mixes examples is not detected). The gradient of
+    `model.losses` (weight regularizers) is data-independent and added after
+    the noise, outside the clipped sum; a loss added with `add_loss` that
+    depends on the data is refused at the first step. Public data never
+    enters the private sum.
+  """
+  check_private_compatible(model)
+  engine = dict(chunk_size=chunk_size, public_data=public_data,
+                public_chunk_size=public_chunk_size,
+                use_layer_rules=use_layer_rules)
+  if isinstance(model, tf.keras.Sequential) and not model.built:
+    return DPSequential(model.layers, name=model.name + '_private', **engine)
+  if getattr(model, '_is_graph_network', False):
+    return DPModel(model.inputs, model.outputs, name=model.name + '_private',
+                   **engine)
+  return _Wrapped(model, **engine)
