@@ -228,7 +228,7 @@ def run(argv=None):
 
   eps = tfdpx.accounting.epsilon(optimizer, sampling_probability=q,
                                  delta=FLAGS.delta)
-  _, accuracy = model.evaluate(x_test, y_test, verbose=0)
+  _, accuracy = trained.evaluate(x_test, y_test, verbose=0)
   statement = tfdpx.accounting.privacy_statement(
       optimizer, num_examples=n, expected_batch_size=FLAGS.batch_size,
       delta=FLAGS.delta, sampling=FLAGS.sampling)
