@@ -1,9 +1,9 @@
 """The noise steps ("privatizers") of tfdpx."""
 
-from tfdpx.privatizers.gaussian import Gaussian
-from tfdpx.privatizers.gaussian import gaussian
 from tfdpx.privatizers.dpdr import DPDR
 from tfdpx.privatizers.dpdr import dpdr
+from tfdpx.privatizers.gaussian import Gaussian
+from tfdpx.privatizers.gaussian import gaussian
 from tfdpx.privatizers.geodp import GeoDP
 from tfdpx.privatizers.geodp import geodp
 from tfdpx.privatizers.gep import GEP
