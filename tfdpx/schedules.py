@@ -6,9 +6,11 @@ same formula with the same float64 operations, so the multiplier a step was
 accounted with is the one its noise was drawn with. Steps are 0-based, as in
 `dp_event(step)`; the paper's 1-based iteration is `k = step + 1`.
 
-The inverse square and fourth roots are computed with `sqrt` (correctly
-rounded in IEEE arithmetic on every backend), so Python and graph values are
-bitwise equal for the shipped schedules.
+Graph and Python may still differ in the last bit (XLA rewrites `x / sqrt(y)`
+as `x * rsqrt(y)`), so the accountant reads `accounted_value(step)`: the value
+rounded down by a relative 1e-12 wherever the graph computes it with such
+operations (never for constants and tables). The noise is therefore never
+below what the accountant is told (spec 4.7.3).
 
 References:
   Jiang et al., "Balancing Utility and Privacy: Dynamically Private SGD with
@@ -24,6 +26,8 @@ import tensorflow as tf
 from tfdpx import core
 
 _REGISTRY: Dict[str, type] = {}
+# Relative rounding-down of accounted values computed with roots.
+ROUNDING_MARGIN = 1e-12
 
 
 def _register(cls):
@@ -42,7 +46,12 @@ class Schedule(abc.ABC):
 
   @abc.abstractmethod
   def tf_value(self, step: tf.Tensor) -> tf.Tensor:
-    """The same value as a float64 graph tensor, for an int64 scalar `step`."""
+    """The same value as a float64 graph tensor, for int64 step(s) `step`."""
+
+  def accounted_value(self, step: int) -> float:
+    """The multiplier the accountant is told: `value(step)`, never above the
+    graph's value (see the module doc)."""
+    return self.value(step)
 
   @abc.abstractmethod
   def rescaled(self, noise_multiplier: float) -> 'Schedule':
@@ -64,13 +73,13 @@ class Schedule(abc.ABC):
     return f'{type(self).__name__}({args})'
 
 
-def _inverse_root(e, power: float, sqrt, pow_):
-  """`e ** -power`, via square roots for the powers 1/2 and 1/4."""
+def _root(e, power: float, sqrt, pow_):
+  """`e ** power`, via square roots for the powers 1/2 and 1/4."""
   if power == 0.5:
-    return 1.0 / sqrt(e)
+    return sqrt(e)
   if power == 0.25:
-    return 1.0 / sqrt(sqrt(e))
-  return pow_(e, -power)
+    return sqrt(sqrt(e))
+  return pow_(e, power)
 
 
 @_register
@@ -113,15 +122,21 @@ class PowerDecay(Schedule):
     if step < 0:
       raise ValueError(f'step must be >= 0, got {step!r}')
     e = float(int(step) // self._period + 1)
-    decayed = self._initial * _inverse_root(e, self._power, math.sqrt, math.pow)
+    decayed = self._initial / _root(e, self._power, math.sqrt, math.pow)
     return max(self._minimum, decayed)
 
   def tf_value(self, step):
     step = tf.cast(step, tf.int64)
     e = tf.cast(step // self._period + 1, tf.float64)
-    decayed = tf.constant(self._initial, tf.float64) * _inverse_root(
+    decayed = tf.constant(self._initial, tf.float64) / _root(
         e, self._power, tf.sqrt, tf.pow)
     return tf.maximum(tf.constant(self._minimum, tf.float64), decayed)
+
+  def accounted_value(self, step):
+    value = self.value(step)
+    if self._power == 0 or value == self._minimum:
+      return value  # Computed exactly by both.
+    return value * (1.0 - ROUNDING_MARGIN)
 
   def rescaled(self, noise_multiplier):
     return PowerDecay(noise_multiplier, self._power, self._period,
@@ -173,8 +188,9 @@ class Piecewise(Schedule):
     values = tf.constant(self._values, tf.float64)
     if not self._boundaries:
       return values[0]
-    index = tf.reduce_sum(
-        tf.cast(step >= tf.constant(self._boundaries, tf.int64), tf.int32))
+    index = tf.reduce_sum(tf.cast(
+        step[..., None] >= tf.constant(self._boundaries, tf.int64), tf.int32),
+                          axis=-1)
     return tf.gather(values, index)
 
   def rescaled(self, noise_multiplier):

@@ -184,7 +184,8 @@ class D2P2(core.Privatizer):
 
   def dp_event(self, step):
     # Every mode's noise is z_k times its sensitivity (1, or Delta_k in C).
-    return dp_accounting.GaussianDpEvent(float(self._schedule.value(step)))
+    return dp_accounting.GaussianDpEvent(
+        float(self._schedule.accounted_value(step)))
 
   # --- projections ---------------------------------------------------------------
 
