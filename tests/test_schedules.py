@@ -225,9 +225,11 @@ def test_spec_worked_schedules(name, n, make, expected):
   assert eps == pytest.approx(expected, rel=rel), (name, eps)
 
 
+@pytest.mark.slow
 def test_mode_c_with_the_true_sensitivity_of_the_code_projection():
   """Spec 4.6: FMNIST code schedule, accounted with Delta = 2.83 (mode P's
-  hidden sensitivity) gives RDP 40.8 instead of the reported 2.75.
+  hidden sensitivity) gives RDP 40.8 (dp_accounting 0.6.0; 0.4.3 gives 39.80,
+  2.5% lower, at low orders with z < 1.1) instead of the reported 2.75.
 
   Mode C reports `GaussianDpEvent(z_k)` for noise `z_k Delta` on a
   sensitivity-`Delta` release; the paper's noise `z_k` on that release is the
@@ -237,4 +239,4 @@ def test_mode_c_with_the_true_sensitivity_of_the_code_projection():
   paper_noise = _code_schedule().with_noise_multiplier(3.0 / delta_sens)
   eps = tfdpx.accounting.epsilon(paper_noise, steps=40 * 59,
                                  sampling_probability=q, delta=DELTA)
-  assert eps == pytest.approx(40.8, rel=0.01)
+  assert eps == pytest.approx(40.8, rel=0.03)
