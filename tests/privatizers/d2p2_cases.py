@@ -19,7 +19,7 @@ GAMMA = 0.01
 RATIO = 0.9
 # The shapes test_contract feeds: SHAPES, and those of its noise test.
 SHAPES = [(6, 5), (5,), (3, 3, 2, 4)]
-NOISE_SHAPES = [(300, 200), (100,)]
+NOISE_SHAPES = [(300, 300), (100,)]
 
 
 def normalized_sum(per_example_grads, public_grads=None):
