@@ -2,14 +2,13 @@
 
 A schedule is a small serializable value. `value(step)` (plain Python, used by
 `dp_event`) and `tf_value(step)` (a graph op, used by `update`) evaluate the
-same formula with the same float64 operations, so the multiplier a step was
-accounted with is the one its noise was drawn with. Steps are 0-based, as in
+same formula with the same float64 operations. Steps are 0-based, as in
 `dp_event(step)`; the paper's 1-based iteration is `k = step + 1`.
 
 Graph and Python may still differ in the last bit (measured: 1 ulp for
-`z0 / sqrt(k)` in the graph), so the accountant reads `accounted_value(step)`: the value
-rounded down by a relative 1e-12 wherever the graph computes it with such
-operations (never for constants and tables). The noise is therefore never
+`z0 / sqrt(k)`), so the accountant reads `accounted_value(step)`: the value
+rounded down by a relative 1e-12 wherever the graph computes it with roots
+(never for constants, floors and tables). The noise is therefore never
 below what the accountant is told (spec 4.7.3).
 
 References:
