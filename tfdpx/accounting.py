@@ -10,11 +10,14 @@ batches is not Poisson sampling; the Poisson epsilon is then the customary
 approximation, not a proven bound (see `privacy_statement`).
 """
 
+import functools
 import math
 from typing import Optional, Sequence
 
 import dp_accounting
 from dp_accounting import rdp
+from dp_accounting.rdp import rdp_privacy_accountant
+import numpy as np
 
 from tfdpx import core
 
@@ -105,10 +108,45 @@ def epsilon(
     steps = int(source.dp_steps.numpy())
   event = training_event(source, steps=steps,
                          sampling_probability=sampling_probability)
-  accountant = (rdp.RdpAccountant(list(orders)) if orders is not None
-                else rdp.RdpAccountant())
-  accountant.compose(event)
-  return float(accountant.get_epsilon(delta))
+  orders = tuple(orders if orders is not None
+                 else rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+  total = _cached_rdp(event, orders)
+  if total is None:
+    accountant = rdp.RdpAccountant(list(orders))
+    accountant.compose(event)
+    return float(accountant.get_epsilon(delta))
+  eps, _ = rdp_privacy_accountant.compute_epsilon(orders, total, delta)
+  return float(eps)
+
+
+@functools.lru_cache(maxsize=256)
+def _sampled_gaussian_rdp(q: float, noise_multiplier: float,
+                          orders: tuple) -> np.ndarray:
+  """RDP of one Poisson-sampled Gaussian step, as `RdpAccountant` computes it."""
+  # pylint: disable-next=protected-access
+  return rdp_privacy_accountant._compute_rdp_poisson_subsampled_gaussian(
+      q, noise_multiplier, orders)
+
+
+def _cached_rdp(event, orders):
+  """The RDP of a `training_event` of Gaussian steps, or None.
+
+  A schedule gives one distinct step event per run; `epsilon` is called again
+  after every epoch with a longer history, so each distinct (q, z) is
+  evaluated once and kept in a small cache. Sums the same per-order values
+  `RdpAccountant` adds up; None for any other event (then the accountant
+  composes it).
+  """
+  total = np.zeros(len(orders))
+  for run in event.events:
+    sampled = run.event
+    if not (isinstance(sampled, dp_accounting.PoissonSampledDpEvent) and
+            isinstance(sampled.event, dp_accounting.GaussianDpEvent)):
+      return None
+    total += run.count * _sampled_gaussian_rdp(
+        float(sampled.sampling_probability),
+        float(sampled.event.noise_multiplier), orders)
+  return total
 
 
 def calibrate_noise_multiplier(

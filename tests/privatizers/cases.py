@@ -142,5 +142,8 @@ def sparsified_case(case: Case, final_sparsity: float = 0.5) -> Case:
               needs_public=case.needs_public)
 
 
+from tests.privatizers.d2p2_cases import D2P2_CASES  # pylint: disable=g-import-not-at-top
+CASES += D2P2_CASES
+
 # Keep last: every case above is also run wrapped in random sparsification.
 CASES += [sparsified_case(c) for c in list(CASES)]

@@ -10,3 +10,5 @@ from tfdpx.privatizers.gep import GEP
 from tfdpx.privatizers.gep import gep
 from tfdpx.privatizers.sparsification import Sparsified
 from tfdpx.privatizers.sparsification import sparsified
+from tfdpx.privatizers.d2p2 import D2P2
+from tfdpx.privatizers.d2p2 import d2p2

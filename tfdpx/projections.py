@@ -1,0 +1,189 @@
+"""Random projections of a flat vector, never held as a dense d x p matrix.
+
+Two families, both keyed by a public, data-independent int64 `[2]` key (never
+by the noise seed):
+
+* Gaussian: `A` in R^{d x p} with i.i.d. N(0, 1) entries (the D2P2 paper's
+  distribution). `A` is generated in blocks of `block_rows` rows from
+  `fold_in(key, block)`, used, and dropped; the backward product regenerates
+  the same blocks. Memory O(block_rows * p), time O(d * p).
+* SRHT (subsampled randomized Hadamard transform): `R = S (H / sqrt(d')) D`
+  restricted to the first d columns, with d' = 2^ceil(log2 d), D random signs,
+  H the Walsh-Hadamard matrix and S a random choice of p of its d' rows. The
+  rows of `R` are (sub-)orthonormal, so `||R||_op <= 1`. Memory O(d'),
+  time O(d' log d').
+
+Everything is float32 and traceable with `tf.function(jit_compile=True)`. The
+Gaussian entries come from raw Philox bits by the Box-Muller transform, which
+agrees with and without XLA up to float32 rounding of `log`/`cos`.
+
+References:
+  spec `d2p2.md`, sections 2.5 and 2.10; Ailon and Chazelle, "The fast
+  Johnson-Lindenstrauss transform", 2009 (SRHT).
+"""
+
+import math
+
+import tensorflow as tf
+
+_ALG = 'philox'
+# A Gaussian block holds at most this many entries (16 MiB of float32).
+BLOCK_ENTRIES = 1 << 22
+
+
+def _bits(shape, key):
+  return tf.random.stateless_uniform(
+      shape, key, minval=None, maxval=None, dtype=tf.uint32, alg=_ALG)
+
+
+def _fold(key, data: int):
+  return tf.random.experimental.stateless_fold_in(key, data, alg=_ALG)
+
+
+def projected_dim(d: int, ratio: float) -> int:
+  """`p = max(1, floor(ratio * d))` (spec P9)."""
+  return max(1, int(math.floor(ratio * d)))
+
+
+def default_block_rows(d: int, p: int) -> int:
+  """Rows per Gaussian block: at most `BLOCK_ENTRIES` entries, at most d rows."""
+  return max(1, min(d, BLOCK_ENTRIES // p))
+
+
+def standard_normal_f32(shape, key) -> tf.Tensor:
+  """N(0, 1) float32 draws by Box-Muller from raw Philox bits."""
+  shape = tf.concat([tf.cast(shape, tf.int32), [2]], axis=0)
+  bits = tf.bitwise.right_shift(_bits(shape, key), 8)  # 24 random bits.
+  u = (tf.cast(bits, tf.float32) + 0.5) * (2.0**-24)  # In (0, 1).
+  radius = tf.sqrt(-2.0 * tf.math.log(u[..., 0]))
+  return radius * tf.cos((2.0 * math.pi) * u[..., 1])
+
+
+def gaussian_block(key, block, block_rows: int, p: int) -> tf.Tensor:
+  """Rows `block * block_rows ...` of `A` (some may lie past row d)."""
+  return standard_normal_f32([block_rows, p], _fold(key, block))
+
+
+def _num_blocks(d, block_rows):
+  return -(-d // block_rows)
+
+
+def gaussian_forward(x, key, p: int, block_rows: int = None) -> tf.Tensor:
+  """`A^T x` for a flat float32 `x` of length d, blockwise."""
+  d = int(x.shape[0])
+  block_rows = block_rows or default_block_rows(d, p)
+  blocks = _num_blocks(d, block_rows)
+  rows = tf.reshape(tf.pad(x, [[0, blocks * block_rows - d]]),
+                    [blocks, block_rows])
+
+  def body(j, acc):
+    a = gaussian_block(key, j, block_rows, p)
+    return j + 1, acc + tf.linalg.matvec(a, rows[j], transpose_a=True)
+
+  _, out = tf.while_loop(lambda j, _: j < blocks, body,
+                         (tf.constant(0), tf.zeros([p], tf.float32)))
+  return out
+
+
+def gaussian_backward(v, key, d: int, block_rows: int = None) -> tf.Tensor:
+  """`A v` (length d) for a float32 `v` of length p, blockwise."""
+  p = int(v.shape[0])
+  block_rows = block_rows or default_block_rows(d, p)
+  blocks = _num_blocks(d, block_rows)
+  parts = tf.TensorArray(tf.float32, size=blocks,
+                         element_shape=[block_rows])
+
+  def body(j, parts):
+    a = gaussian_block(key, j, block_rows, p)
+    return j + 1, parts.write(j, tf.linalg.matvec(a, v))
+
+  _, parts = tf.while_loop(lambda j, _: j < blocks, body,
+                           (tf.constant(0), parts))
+  return tf.reshape(parts.stack(), [-1])[:d]
+
+
+def gaussian_dense(key, d: int, p: int, block_rows: int = None) -> tf.Tensor:
+  """The whole `A` (d x p). For tests and small d only."""
+  block_rows = block_rows or default_block_rows(d, p)
+  blocks = [gaussian_block(key, j, block_rows, p)
+            for j in range(_num_blocks(d, block_rows))]
+  return tf.concat(blocks, axis=0)[:d]
+
+
+def gaussian_max_singular_value(key, d: int, p: int,
+                                block_rows: int = None) -> tf.Tensor:
+  """Exact `sigma_max(A)` (float64) from the p x p Gram matrix, blockwise.
+
+  `A^T A` is accumulated in float64 from the float32 blocks (the cast is
+  exact) and its largest eigenvalue taken by `eigvalsh`: no power iteration,
+  which would only give a lower bound. Cost O(d p^2 + p^3).
+  """
+  block_rows = block_rows or default_block_rows(d, p)
+  blocks = _num_blocks(d, block_rows)
+  valid = tf.reshape(
+      tf.cast(tf.range(blocks * block_rows) < d, tf.float64),
+      [blocks, block_rows, 1])
+
+  def body(j, gram):
+    a = tf.cast(gaussian_block(key, j, block_rows, p), tf.float64) * valid[j]
+    return j + 1, gram + tf.matmul(a, a, transpose_a=True)
+
+  _, gram = tf.while_loop(lambda j, _: j < blocks, body,
+                          (tf.constant(0), tf.zeros([p, p], tf.float64)))
+  return tf.sqrt(tf.maximum(tf.reduce_max(tf.linalg.eigvalsh(gram)), 0.0))
+
+
+# --- SRHT --------------------------------------------------------------------
+
+
+def padded_dim(d: int) -> int:
+  """d' = the smallest power of two >= d."""
+  return 1 << max(0, (d - 1).bit_length())
+
+
+def fwht(x: tf.Tensor) -> tf.Tensor:
+  """Unnormalized Walsh-Hadamard transform (Sylvester order) of a flat x.
+
+  The length must be a power of two; `fwht(fwht(x)) = len(x) * x`.
+  """
+  n = int(x.shape[0])
+  h = 1
+  while h < n:
+    y = tf.reshape(x, [n // (2 * h), 2, h])
+    a, b = y[:, 0, :], y[:, 1, :]
+    x = tf.reshape(tf.stack([a + b, a - b], axis=1), [n])
+    h *= 2
+  return x
+
+
+def srht_parts(key, d: int, p: int):
+  """The random signs `[d']` (float32 +-1) and chosen rows `[p]` (int32)."""
+  dp = padded_dim(d)
+  if p > dp:
+    raise ValueError(f'cannot choose p={p} rows out of {dp}')
+  signs = 1.0 - 2.0 * tf.cast(
+      tf.bitwise.bitwise_and(_bits([dp], _fold(key, 0)), 1), tf.float32)
+  keys = tf.cast(tf.bitwise.right_shift(_bits([dp], _fold(key, 1)), 1),
+                 tf.int32)
+  # A stable sort makes the chosen set independent of the backend even for
+  # tied keys; the rows are then listed in increasing order.
+  rows = tf.sort(tf.argsort(keys, stable=True)[:p])
+  return signs, rows
+
+
+def srht_forward(x, key, p: int) -> tf.Tensor:
+  """`R x` (length p) for a flat float32 `x` of length d."""
+  d = int(x.shape[0])
+  dp = padded_dim(d)
+  signs, rows = srht_parts(key, d, p)
+  mixed = fwht(signs * tf.pad(x, [[0, dp - d]])) * (1.0 / math.sqrt(dp))
+  return tf.gather(mixed, rows)
+
+
+def srht_backward(v, key, d: int) -> tf.Tensor:
+  """`R^T v` (length d) for a float32 `v` of length p."""
+  p = int(v.shape[0])
+  dp = padded_dim(d)
+  signs, rows = srht_parts(key, d, p)
+  spread = tf.scatter_nd(rows[:, None], v, [dp])
+  return (signs * fwht(spread) * (1.0 / math.sqrt(dp)))[:d]
