@@ -30,6 +30,10 @@ RUNS = {
     'DPDR': ['--privatizer=dpdr', '--dpdr_decomposition_steps=16'],
     'DP-SGD + RS': ['--privatizer=gaussian', '--sparsify',
                     '--final_sparsity=0.9'],
+    # D2P2 with the structured projection: the default dense Gaussian one
+    # costs O(d * p) per step, minutes on this CNN and 2 cores.
+    'D2P2 (SRHT)': ['--privatizer=d2p2', '--d2p2_projection=srht',
+                    '--learning_rate=2.0'],
     'GEP': ['--privatizer=gep', '--public_examples=300', '--gep_num_bases=50',
             '--gep_residual_l2_norm_clip=0.2'],
     'GeoDP (sound)': ['--privatizer=geodp'],

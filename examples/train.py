@@ -22,11 +22,13 @@ import tfdpx
 from examples import datasets
 from examples import models
 from tfdpx import sampling
+from tfdpx import schedules
 
 FLAGS = flags.FLAGS
 
 flags.DEFINE_enum('privatizer', 'gaussian',
-                  ['gaussian', 'dpdr', 'gep', 'geodp'], 'The noise step.')
+                  ['gaussian', 'dpdr', 'd2p2', 'gep', 'geodp'],
+                  'The noise step.')
 flags.DEFINE_bool('sparsify', False,
                   'Wrap the noise step in random sparsification.')
 flags.DEFINE_float('final_sparsity', 0.9,
@@ -38,6 +40,15 @@ flags.DEFINE_float('dpdr_alpha_share', 0.1,
                    'DPDR: share of the step budget spent on the parallel part.')
 flags.DEFINE_enum('dpdr_granularity', 'variable',
                   ['variable', 'layer', 'global'], 'DPDR: decomposition blocks.')
+flags.DEFINE_enum('d2p2_noise_schedule', 'constant', list(schedules.NAMES),
+                  'D2P2: noise multiplier schedule (docs/d2p2.md).')
+flags.DEFINE_float('d2p2_min_noise_multiplier', None,
+                   'D2P2: floor of a decaying schedule.')
+flags.DEFINE_enum('d2p2_projection', 'gaussian', ['gaussian', 'srht', 'none'],
+                  'D2P2: random projection (gaussian: noise then project).')
+flags.DEFINE_float('d2p2_projection_ratio', 0.3,
+                   'D2P2: projected dimension over the variable size.')
+flags.DEFINE_float('d2p2_gamma', 0.01, 'D2P2: automatic clipping constant.')
 flags.DEFINE_integer('gep_num_bases', 100, 'GEP: number of basis vectors.')
 flags.DEFINE_float('gep_residual_l2_norm_clip', None,
                    'GEP: clip norm of the residual (default l2_norm_clip / 5);'
@@ -97,6 +108,15 @@ def build_privatizer(noise_multiplier, steps_per_epoch):
     privatizer = tfdpx.privatizers.dpdr(
         clip, noise_multiplier, FLAGS.dpdr_decomposition_steps,
         FLAGS.dpdr_alpha_share, FLAGS.dpdr_granularity)
+  elif name == 'd2p2':
+    # Automatic clipping: every example has norm below 1, no l2_norm_clip.
+    privatizer = tfdpx.privatizers.d2p2(
+        noise_multiplier, noise_schedule=FLAGS.d2p2_noise_schedule,
+        min_noise_multiplier=FLAGS.d2p2_min_noise_multiplier,
+        steps_per_epoch=(steps_per_epoch if FLAGS.d2p2_noise_schedule ==
+                         'inv_fourth_root_epoch' else None),
+        gamma=FLAGS.d2p2_gamma, projection=FLAGS.d2p2_projection,
+        projection_ratio=FLAGS.d2p2_projection_ratio)
   elif name == 'gep':
     residual = FLAGS.gep_residual_l2_norm_clip or clip / 5
     privatizer = tfdpx.privatizers.gep(

@@ -1,5 +1,7 @@
 """The noise steps ("privatizers") of tfdpx."""
 
+from tfdpx.privatizers.d2p2 import D2P2
+from tfdpx.privatizers.d2p2 import d2p2
 from tfdpx.privatizers.dpdr import DPDR
 from tfdpx.privatizers.dpdr import dpdr
 from tfdpx.privatizers.gaussian import Gaussian
@@ -10,5 +12,3 @@ from tfdpx.privatizers.gep import GEP
 from tfdpx.privatizers.gep import gep
 from tfdpx.privatizers.sparsification import Sparsified
 from tfdpx.privatizers.sparsification import sparsified
-from tfdpx.privatizers.d2p2 import D2P2
-from tfdpx.privatizers.d2p2 import d2p2
