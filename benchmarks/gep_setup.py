@@ -9,23 +9,15 @@ max-pooling, then two dense layers, 26,010 parameters.
 import numpy as np
 import tensorflow as tf
 
+from examples import models
+
 NUM_CLASSES = 10
 
 
 def tutorial_cnn(seed: int) -> tf.keras.Model:
   """tensorflow-privacy's MNIST tutorial CNN, initialized from `seed`."""
   tf.keras.utils.set_random_seed(seed)
-  return tf.keras.Sequential([
-      tf.keras.layers.Conv2D(16, 8, strides=2, padding='same',
-                             activation='relu', input_shape=(28, 28, 1)),
-      tf.keras.layers.MaxPool2D(2, 1),
-      tf.keras.layers.Conv2D(32, 4, strides=2, padding='valid',
-                             activation='relu'),
-      tf.keras.layers.MaxPool2D(2, 1),
-      tf.keras.layers.Flatten(),
-      tf.keras.layers.Dense(32, activation='relu'),
-      tf.keras.layers.Dense(NUM_CLASSES),
-  ])
+  return models.tutorial_cnn((28, 28, 1), NUM_CLASSES)
 
 
 def mnist():

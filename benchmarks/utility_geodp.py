@@ -26,6 +26,7 @@ from absl import flags
 import numpy as np
 import tensorflow as tf
 
+from examples import models
 import tfdpx
 from tfdpx import accounting
 from tfdpx import privatizers
@@ -59,21 +60,6 @@ def load_data(test_size):
   return (x[train], y[train]), (x[test], y[test])
 
 
-def tutorial_cnn():
-  """The CNN of tensorflow-privacy's MNIST tutorial."""
-  return tf.keras.Sequential([
-      tf.keras.layers.Conv2D(16, 8, strides=2, padding='same',
-                             activation='relu', input_shape=(28, 28, 1)),
-      tf.keras.layers.MaxPool2D(2, 1),
-      tf.keras.layers.Conv2D(32, 4, strides=2, padding='valid',
-                             activation='relu'),
-      tf.keras.layers.MaxPool2D(2, 1),
-      tf.keras.layers.Flatten(),
-      tf.keras.layers.Dense(32, activation='relu'),
-      tf.keras.layers.Dense(10),
-  ])
-
-
 def accuracy(model, x, y):
   logits = model.predict(x, batch_size=1000, verbose=0)
   return float(np.mean(np.argmax(logits, axis=1) == y))
@@ -82,7 +68,7 @@ def accuracy(model, x, y):
 def train_one(label, privatizer, seed, train, test, steps):
   """Trains from a seed-fixed initialization; returns the final metrics."""
   tf.keras.utils.set_random_seed(seed)
-  model = tutorial_cnn()
+  model = models.tutorial_cnn((28, 28, 1))
   optimizer = tfdpx.keras.DPSGD(
       privatizer, expected_batch_size=FLAGS.batch,
       learning_rate=FLAGS.learning_rate, seed=seed)

@@ -29,6 +29,7 @@ from absl import flags
 import numpy as np
 import tensorflow as tf
 
+from examples import models
 import tfdpx
 from tfdpx import privatizers
 
@@ -57,25 +58,10 @@ def load_digits(num_train):
   return (x[:num_train], y[:num_train]), (x[num_train:], y[num_train:])
 
 
-def tutorial_cnn():
-  """The tensorflow-privacy tutorial CNN, with tanh (spec §4.4, DP-CNN/S)."""
-  return tf.keras.Sequential([
-      tf.keras.layers.Conv2D(16, 8, strides=2, padding='same',
-                             activation='tanh', input_shape=(28, 28, 1)),
-      tf.keras.layers.MaxPool2D(2, 1),
-      tf.keras.layers.Conv2D(32, 4, strides=2, padding='valid',
-                             activation='tanh'),
-      tf.keras.layers.MaxPool2D(2, 1),
-      tf.keras.layers.Flatten(),
-      tf.keras.layers.Dense(32, activation='tanh'),
-      tf.keras.layers.Dense(10),
-  ])
-
-
 def train(privatizer, seed, train_data, test_data, steps_per_epoch):
   """One run; returns the test accuracy after every epoch."""
   tf.keras.utils.set_random_seed(seed)
-  model = tutorial_cnn()
+  model = models.tutorial_cnn((28, 28, 1), activation='tanh')
   optimizer = tfdpx.keras.DPSGD(
       privatizer=privatizer, expected_batch_size=_BATCH.value,
       learning_rate=_LR.value, momentum=_MOMENTUM.value, seed=seed)

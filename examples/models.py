@@ -5,16 +5,20 @@ import tensorflow as tf
 layers = tf.keras.layers
 
 
-def tutorial_cnn(input_shape, num_classes=10):
-  """tensorflow-privacy's MNIST tutorial CNN (used by every paper's MNIST runs)."""
+def tutorial_cnn(input_shape, num_classes=10, activation='relu'):
+  """tensorflow-privacy's MNIST tutorial CNN (26,010 parameters on 28x28x1).
+
+  `activation='tanh'` gives the variant of Papernot et al. used by several
+  papers' MNIST runs.
+  """
   return tf.keras.Sequential([
-      layers.Conv2D(16, 8, strides=2, padding='same', activation='relu',
+      layers.Conv2D(16, 8, strides=2, padding='same', activation=activation,
                     input_shape=input_shape),
       layers.MaxPool2D(2, 1),
-      layers.Conv2D(32, 4, strides=2, padding='valid', activation='relu'),
+      layers.Conv2D(32, 4, strides=2, padding='valid', activation=activation),
       layers.MaxPool2D(2, 1),
       layers.Flatten(),
-      layers.Dense(32, activation='relu'),
+      layers.Dense(32, activation=activation),
       layers.Dense(num_classes),
   ], name='tutorial_cnn')
 
