@@ -90,8 +90,13 @@ def noiseless():
 def agree():
   """For every privatizer: do replicas hold identical weights and state?"""
   x, y = _data(3 * GLOBAL_BATCH)
+  # Every privatizer, and of the sparsified wrappers the one around a stateful
+  # step (the others add no replica state of their own). GEP needs public
+  # data, which the compile path has no place for.
+  chosen = [case for case in CASES if not case.needs_public and (
+      not case.name.startswith('sparsified(') or case.name == 'sparsified(dpdr)')]
   return {case.name: _fit(MIRRORED, case.make(1.0, 1.0), LOSS, x, y, 4)[2]
-          for case in CASES if not case.needs_public}
+          for case in chosen}
 
 
 if __name__ == '__main__':
