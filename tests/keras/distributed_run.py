@@ -42,13 +42,15 @@ LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                      reduction=NONE)
 
 
-def _fit(strategy, privatizer, loss, x, y, units, lr=0.1):
+def _fit(strategy, privatizer, loss, x, y, units, lr=0.1, private=False):
   with strategy.scope():
     tf.keras.utils.set_random_seed(0)
     model = tf.keras.Sequential(
         [tf.keras.layers.Dense(units, activation='tanh',
                                input_shape=(x.shape[1],)),
          tf.keras.layers.Dense(2)])
+    if private:
+      model = tfdpx.keras.make_private(model)
     optimizer = tfdpx.keras.DPSGD(privatizer=privatizer,
                                   expected_batch_size=GLOBAL_BATCH,
                                   learning_rate=lr, seed=5)
@@ -78,10 +80,12 @@ def noiseless():
   x, y = _data(4 * GLOBAL_BATCH)
   privatizer = gaussian(0.1, 0.0)  # Clipping active, no noise.
   results = {}
-  for name, strategy in [
-      ('mirrored', MIRRORED),
-      ('single', tf.distribute.OneDeviceStrategy('/cpu:0'))]:
-    model, _, agree, _ = _fit(strategy, privatizer, LOSS, x, y, units=4)
+  for name, strategy, private in [
+      ('mirrored', MIRRORED, False),
+      ('mirrored_make_private', MIRRORED, True),
+      ('single', tf.distribute.OneDeviceStrategy('/cpu:0'), False)]:
+    model, _, agree, _ = _fit(strategy, privatizer, LOSS, x, y, units=4,
+                              private=private)
     results[name] = [w.numpy().tolist() for w in model.weights]
     results[name + '_replicas_agree'] = agree
   return results

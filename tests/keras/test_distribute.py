@@ -39,9 +39,10 @@ def test_noise_is_added_once_per_global_step(runs):
 
 def test_distributed_update_equals_single_device_update_without_noise(runs):
   result = runs['noiseless']
-  for a, b in zip(result['mirrored'], result['single']):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-  assert result['mirrored_replicas_agree']
+  for engine in ('mirrored', 'mirrored_make_private'):
+    for a, b in zip(result[engine], result['single']):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert result[engine + '_replicas_agree']
 
 
 def test_replicas_agree_for_every_privatizer(runs):
