@@ -245,3 +245,21 @@ def test_a_step_without_data_does_not_count():
                         tf.TensorSpec((8,), tf.int32)))
   model.fit(unknown_length, epochs=2, verbose=0)
   assert int(optimizer.dp_steps.numpy()) == 6
+
+
+@pytest.mark.parametrize('filename', ['model.keras', 'model.h5'])
+def test_model_saved_with_its_optimizer_reloads(tmp_path, filename):
+  x, y = _data()
+  model = _mlp()
+  privatizer = tfdpx.privatizers.dpdr(0.5, 1.0, decomposition_steps=3)
+  model.compile(tfdpx.keras.DPSGD(privatizer=privatizer, expected_batch_size=8,
+                                  learning_rate=0.1, seed=3), _loss())
+  model.fit(x, y, batch_size=8, verbose=0)
+  path = str(tmp_path / filename)
+  model.save(path)
+  loaded = tf.keras.models.load_model(path)
+  assert isinstance(loaded.optimizer, tfdpx.keras.DPSGD)
+  assert loaded.optimizer.privatizer == privatizer
+  assert loaded.optimizer.get_config() == model.optimizer.get_config()
+  np.testing.assert_allclose(loaded.predict(x, verbose=0),
+                             model.predict(x, verbose=0), rtol=1e-6)
