@@ -7,11 +7,11 @@ import tensorflow as tf
 
 def per_example_global_norm(per_example: Sequence[tf.Tensor]) -> tf.Tensor:
   """The L2 norm of each example over all tensors, shape `[B]`, in float32."""
-  squares = [
-      tf.reduce_sum(
-          tf.reshape(tf.square(tf.cast(g, tf.float32)), [tf.shape(g)[0], -1]),
-          axis=1) for g in per_example
-  ]
+  squares = []
+  for g in per_example:
+    flat = tf.cast(tf.reshape(g, [tf.shape(g)[0], -1]), tf.float32)
+    # A batched dot product: no [B, ...] temporary of squares.
+    squares.append(tf.einsum('bn,bn->b', flat, flat))
   return tf.sqrt(tf.add_n(squares))
 
 
@@ -38,9 +38,28 @@ def clip_per_example(
   Returns:
     `(clipped, norms)`: the clipped tensors and the unclipped norms `[B]`.
   """
+  factors, norms = clip_factors(per_example, l2_norm_clip)
+  return _scale(per_example, factors), norms
+
+
+def clip_factors(
+    per_example: Sequence[tf.Tensor], l2_norm_clip
+) -> Tuple[tf.Tensor, tf.Tensor]:
+  """The factors `1 / max(norm / C, 1)` that clip each example, and the norms.
+
+  For a privatizer that only needs the clipped sum: pass the factors as the
+  `weights` of `noise.batch_sum`/`noise.gaussian_sum`, which never
+  materializes the clipped copy of the per-example gradients.
+
+  Args:
+    per_example: one `[B, ...]` tensor per variable.
+    l2_norm_clip: positive clip norm C (may be `inf`).
+
+  Returns:
+    `(factors, norms)`, both `[B]` float32.
+  """
   norms = per_example_global_norm(per_example)
-  factor = 1.0 / tf.maximum(norms / tf.cast(l2_norm_clip, tf.float32), 1.0)
-  return _scale(per_example, factor), norms
+  return 1.0 / tf.maximum(norms / tf.cast(l2_norm_clip, tf.float32), 1.0), norms
 
 
 def normalize_per_example(

@@ -11,7 +11,7 @@ per replica.
 """
 
 import zlib
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -86,7 +86,8 @@ def gaussian_like(
   return noise
 
 
-def batch_sum(records: Sequence[tf.Tensor]) -> List[tf.Tensor]:
+def batch_sum(records: Sequence[tf.Tensor],
+              weights: Optional[tf.Tensor] = None) -> List[tf.Tensor]:
   """Sum over the batch axis of each tensor, and over replicas when distributed.
 
   Every privatizer sums its (clipped) per-example records with this function,
@@ -94,11 +95,18 @@ def batch_sum(records: Sequence[tf.Tensor]) -> List[tf.Tensor]:
 
   Args:
     records: one `[B, ...]` tensor per variable (or per released part).
+    weights: optional `[B]` factors (e.g. clip factors): the sum is then
+      `sum_b weights[b] * records[b]`, computed as one contraction so that the
+      weighted records are never materialized.
 
   Returns:
     One `[...]` tensor per input, identical on every replica.
   """
-  sums = [tf.reduce_sum(r, axis=0) for r in records]
+  if weights is None:
+    sums = [tf.reduce_sum(r, axis=0) for r in records]
+  else:
+    sums = [tf.tensordot(tf.cast(weights, r.dtype), r, axes=1)
+            for r in records]
   context = tf.distribute.get_replica_context()
   if context is not None and context.num_replicas_in_sync > 1:
     sums = context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
@@ -106,24 +114,27 @@ def batch_sum(records: Sequence[tf.Tensor]) -> List[tf.Tensor]:
 
 
 def gaussian_sum(
-    records: Sequence[tf.Tensor], l2_norm_clip, noise_multiplier, seed: tf.Tensor
+    records: Sequence[tf.Tensor], l2_norm_clip, noise_multiplier, seed: tf.Tensor,
+    weights: Optional[tf.Tensor] = None
 ) -> List[tf.Tensor]:
   """Sum over the batch axis plus Gaussian noise of std `l2_norm_clip * noise_multiplier`.
 
-  The records must already be clipped so that, over all tensors together, each
-  example's L2 norm is at most `l2_norm_clip`: then this is the Gaussian
-  mechanism with noise multiplier `noise_multiplier`.
+  The records (each multiplied by its weight, if `weights` is given) must be
+  clipped so that, over all tensors together, each example's L2 norm is at
+  most `l2_norm_clip`: then this is the Gaussian mechanism with noise
+  multiplier `noise_multiplier`.
 
   Args:
     records: one `[B, ...]` tensor per variable (or per released part).
     l2_norm_clip: the L2 bound of one example's records.
     noise_multiplier: noise std in units of `l2_norm_clip`.
     seed: int64 `[2]` seed of this release.
+    weights: optional `[B]` factors of the records, as in `batch_sum`.
 
   Returns:
     One `[...]` tensor per record tensor.
   """
-  sums = batch_sum(records)
+  sums = batch_sum(records, weights)
   # multiply_no_nan: zero noise stays zero for an infinite clip norm.
   stddev = tf.math.multiply_no_nan(_float64(l2_norm_clip),
                                    _float64(noise_multiplier))

@@ -43,10 +43,10 @@ class Gaussian(core.Privatizer):
 
   def update(self, per_example_grads, state, seed, *, public_grads=None):
     del public_grads  # Unused: DP-SGD needs no public data.
-    clipped, _ = clipping.clip_per_example(per_example_grads,
-                                           self._l2_norm_clip)
-    noisy_sum = noise.gaussian_sum(clipped, self._l2_norm_clip,
-                                   self._noise_multiplier, seed)
+    factors, _ = clipping.clip_factors(per_example_grads, self._l2_norm_clip)
+    noisy_sum = noise.gaussian_sum(per_example_grads, self._l2_norm_clip,
+                                   self._noise_multiplier, seed,
+                                   weights=factors)
     return noisy_sum, state
 
   def dp_event(self, step):
