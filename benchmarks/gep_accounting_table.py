@@ -15,7 +15,7 @@ markdown table:
 * the per-part multiplier tfdpx calibrates for the paper's target epsilon;
 * the same for B-GEP (one Gaussian; the official accounting is right there).
 
-Usage: python benchmarks/gep_accounting_table.py
+Usage: python -m benchmarks.gep_accounting_table
 """
 
 import math

@@ -18,7 +18,7 @@ the median wall time of `--steps` calls after two warm-up calls (tracing);
 memory is the peak resident set size sampled every 2 ms during those calls,
 minus the resident size just before them (CPU allocators report no peak).
 
-Usage: python benchmarks/gep_step.py [--steps 10]
+Usage: python -m benchmarks.gep_step [--steps 10]
 """
 
 import argparse

@@ -10,7 +10,7 @@ measured here at a small ratio.
 Prints the process's peak resident memory (ru_maxrss) after each phase.
 
 Usage:
-  python benchmarks/memory_d2p2.py [--projection srht|gaussian|none]
+  python -m benchmarks.memory_d2p2 [--projection srht|gaussian|none]
       [--ratio 0.3] [--batch 32]
 """
 

@@ -12,7 +12,7 @@ minimal `tf.vectorized_map` loop, then `optimizer.privatize` and
 `optimizer.apply_gradients`.
 
 Usage:
-  python benchmarks/utility_d2p2.py --seeds 0,1,2 --epochs 4 --projection srht
+  python -m benchmarks.utility_d2p2 --seeds 0,1,2 --epochs 4 --projection srht
 """
 
 import argparse

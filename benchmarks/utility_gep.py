@@ -17,7 +17,7 @@ Privacy: the noise multiplier is calibrated for DP-SGD to `--epsilon` at
 same Gaussian and the epsilon (printed for both, from each optimizer's own
 `dp_event`) is the same.
 
-Usage: python benchmarks/utility_gep.py [--seeds 3] [--steps 150]
+Usage: python -m benchmarks.utility_gep [--seeds 3] [--steps 150]
 """
 
 import argparse
