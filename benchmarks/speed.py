@@ -3,7 +3,8 @@
 `make bench` (`python -m benchmarks.speed`) times, in one process, for the
 tensorflow-privacy MNIST tutorial CNN and an MLP at several batch sizes:
 non-private Keras `fit`; tfdpx via `make_private` (each privatizer, with and
-without `jit_compile`, and with the vectorized fallback only); tfdpx through
+without `jit_compile`; DP-SGD also with fast clipping off, `materialized`, and
+with the vectorized fallback only); tfdpx through
 the compile path (`tape.jacobian`); tensorflow-privacy's `DPSequential` and its
 `VectorizedDPKerasSGDOptimizer` through `fit`. The quadratic paths are timed
 for a few steps only and skipped above `--max_quadratic_batch`. Each figure is
@@ -28,6 +29,7 @@ from tensorflow_privacy.privacy.keras_models import dp_keras_model
 from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras_vectorized as tfp_vectorized
 
 import tfdpx
+from tfdpx import privatizers
 from tfdpx.privatizers import gaussian
 
 FLAGS = flags.FLAGS
@@ -46,8 +48,18 @@ flags.DEFINE_string('memory_probe', None,
 
 L = tf.keras.layers
 NUM_CLASSES = 10
-# One meaning for every DP configuration: DP-SGD at C = 1, sigma = 1.
-PRIVATIZERS = {'gaussian': lambda: gaussian(1.0, 1.0)}
+NUM_PUBLIC = 256  # GEP's public examples, whose gradients each step computes.
+# Every privatizer at clip norm 1 and noise multiplier 1 (D2P2: automatic
+# clipping, SRHT projection; its default Gaussian projection draws O(d p)
+# normals per step, see docs/d2p2.md).
+PRIVATIZERS = {
+    'gaussian': lambda: gaussian(1.0, 1.0),
+    'sparsified': lambda: privatizers.sparsified(gaussian(1.0, 1.0), 0.9, 1, 10),
+    'dpdr': lambda: privatizers.dpdr(1.0, 1.0),
+    'd2p2_srht': lambda: privatizers.d2p2(1.0, projection='srht'),
+    'gep': lambda: privatizers.gep(50, 1.0, 1.0, 1.0),
+    'geodp': lambda: privatizers.geodp(1.0, 1.0),
+}
 
 
 def tutorial_cnn():
@@ -107,10 +119,15 @@ def build(model_name, batch, config):
     model.compile(_dp_sgd(batch, gaussian(1.0, 1.0)), _loss())
   elif config.startswith('tfdpx '):
     _, name, *options = config.split()
+    privatizer = PRIVATIZERS[name]()
+    public_data = None
+    if privatizer.requires_public_grads:
+      public_data = _data(NUM_PUBLIC, 1)
     model = tfdpx.keras.make_private(
         tf.keras.Sequential(layers()), chunk_size=FLAGS.chunk_size,
-        use_layer_rules='fallback' not in options)
-    model.compile(_dp_sgd(batch, PRIVATIZERS[name]()), _loss(),
+        public_data=public_data, use_layer_rules='fallback' not in options,
+        fast_clipping='materialized' not in options)
+    model.compile(_dp_sgd(batch, privatizer), _loss(),
                   jit_compile='xla' in options)
   elif config == 'tf-privacy DPSequential':
     model = dp_keras_model.DPSequential(
@@ -133,8 +150,9 @@ def configs():
   names = ['non-private']
   for name in PRIVATIZERS:
     names += [f'tfdpx {name}', f'tfdpx {name} xla']
-  names += ['tfdpx gaussian fallback', 'tfdpx compile path',
-            'tf-privacy DPSequential', 'tf-privacy vectorized']
+  names += ['tfdpx gaussian materialized', 'tfdpx gaussian fallback',
+            'tfdpx compile path', 'tf-privacy DPSequential',
+            'tf-privacy vectorized']
   return names
 
 
@@ -209,12 +227,14 @@ def main(argv):
               f'{seconds / baseline:.1f} |', flush=True)
         tf.keras.backend.clear_session()
   if FLAGS.memory:
-    print('\n| model | batch | configuration | peak RSS MiB |')
-    print('|---|---:|---|---:|')
-    for batch in (128, 1024):
-      for config in ('non-private', 'tfdpx gaussian'):
-        print(f'| cnn | {batch} | {config} | '
-              f'{peak_rss_mib("cnn", batch, config):.0f} |', flush=True)
+    print('\n| model | configuration | batch 128 MiB | batch 1024 MiB | '
+          'ratio |')
+    print('|---|---|---:|---:|---:|')
+    for config in ('non-private', 'tfdpx gaussian',
+                   'tfdpx gaussian materialized', 'tfdpx dpdr'):
+      small, large = (peak_rss_mib('cnn', b, config) for b in (128, 1024))
+      print(f'| cnn | {config} | {small:.0f} | {large:.0f} | '
+            f'{large / small:.2f} |', flush=True)
 
 
 if __name__ == '__main__':

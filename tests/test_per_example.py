@@ -48,6 +48,9 @@ MODELS = {
     'dense_on_sequences': (lambda: tf.keras.Sequential([
         tf.keras.Input((6, 7)), L.Dense(4, activation='relu'), L.Dense(3)]),
                            _floats(6, 7)),
+    # Few steps (3^2 <= 7 * 8): fast clipping's Gram-matrix norms.
+    'dense_on_short_sequences': (lambda: tf.keras.Sequential([
+        tf.keras.Input((3, 7)), L.Dense(8), L.Dense(2)]), _floats(3, 7)),
     'conv1d': (lambda: tf.keras.Sequential([
         tf.keras.Input((9, 3)),
         L.Conv1D(4, 3, strides=2, padding='same', activation='relu'),
@@ -114,6 +117,48 @@ def test_per_example_gradients_equal_a_loop_of_single_example_tapes(
     assert got.shape == (BATCH,) + tuple(var.shape)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5,
                                err_msg=var.name)
+
+
+def _shared():
+  """A model calling one Dense layer twice: its per-example norms don't add."""
+  inputs = tf.keras.Input((4,))
+  shared = L.Dense(4, activation='tanh')
+  return tf.keras.Model(inputs, L.Dense(2)(shared(shared(inputs))))
+
+
+@pytest.mark.parametrize('name', sorted(MODELS) + ['shared'])
+def test_fast_clipping_equals_clipping_the_loop_reference(name):
+  tf.keras.utils.set_random_seed(1)
+  build, make_x = MODELS.get(name, (_shared, _floats(4)))
+  model = build()
+  rng = np.random.default_rng(0)
+  x = make_x(rng)
+  y = rng.normal(size=model(x).shape).astype('float32')
+  expected = _loop_reference(model, x, y)
+  norms = np.sqrt(sum(np.sum(g.reshape(BATCH, -1)**2, axis=1)
+                      for g in expected))
+  clip = float(np.median(norms))  # Clips about half of the examples.
+  factors = 1.0 / np.maximum(norms / clip, 1.0)
+  assert 0 < np.sum(factors < 1) < BATCH
+
+  @tf.function
+  def fast(x):
+    result = per_example.model_gradients(
+        model, x, lambda outputs: _squared_error(y, outputs),
+        model.trainable_variables, chunk_size=2, l2_norm_clip=clip)
+    return result.per_example_grads, result.clipped_sum
+
+  per_example_grads, clipped_sum = fast(x)
+  if name == 'shared':  # Falls back to materialized per-example gradients.
+    assert clipped_sum is None
+    for got, want in zip(per_example_grads, expected):
+      np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5)
+    return
+  assert per_example_grads is None
+  for got, want, var in zip(clipped_sum, expected,
+                            model.trainable_variables):
+    np.testing.assert_allclose(got.numpy(), np.tensordot(factors, want, 1),
+                               rtol=1e-4, atol=1e-5, err_msg=var.name)
 
 
 def test_rules_cover_the_ruled_layers_and_skip_what_they_cannot_do():

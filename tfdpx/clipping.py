@@ -7,12 +7,14 @@ import tensorflow as tf
 
 def per_example_global_norm(per_example: Sequence[tf.Tensor]) -> tf.Tensor:
   """The L2 norm of each example over all tensors, shape `[B]`, in float32."""
-  squares = []
-  for g in per_example:
-    flat = tf.cast(tf.reshape(g, [tf.shape(g)[0], -1]), tf.float32)
-    # A batched dot product: no [B, ...] temporary of squares.
-    squares.append(tf.einsum('bn,bn->b', flat, flat))
-  return tf.sqrt(tf.add_n(squares))
+  return tf.sqrt(tf.add_n([squared_norm(g) for g in per_example]))
+
+
+def squared_norm(per_example: tf.Tensor) -> tf.Tensor:
+  """The squared L2 norm of each example of one `[B, ...]` tensor, float32."""
+  flat = tf.cast(tf.reshape(per_example, [tf.shape(per_example)[0], -1]),
+                 tf.float32)
+  return tf.einsum('bn,bn->b', flat, flat)  # No [B, ...] temporary of squares.
 
 
 def _scale(per_example: Sequence[tf.Tensor], factor: tf.Tensor):
@@ -48,8 +50,8 @@ def clip_factors(
   """The factors `1 / max(norm / C, 1)` that clip each example, and the norms.
 
   For a privatizer that only needs the clipped sum: pass the factors as the
-  `weights` of `noise.batch_sum`/`noise.gaussian_sum`, which never
-  materializes the clipped copy of the per-example gradients.
+  `weights` of `noise.batch_sum`, which never materializes the clipped copy
+  of the per-example gradients.
 
   Args:
     per_example: one `[B, ...]` tensor per variable.
@@ -59,7 +61,12 @@ def clip_factors(
     `(factors, norms)`, both `[B]` float32.
   """
   norms = per_example_global_norm(per_example)
-  return 1.0 / tf.maximum(norms / tf.cast(l2_norm_clip, tf.float32), 1.0), norms
+  return clip_factor(norms, l2_norm_clip), norms
+
+
+def clip_factor(norms: tf.Tensor, l2_norm_clip) -> tf.Tensor:
+  """`1 / max(norm / C, 1)`: 1 for a zero norm and for an infinite C."""
+  return 1.0 / tf.maximum(norms / tf.cast(l2_norm_clip, tf.float32), 1.0)
 
 
 def normalize_per_example(

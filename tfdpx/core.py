@@ -70,6 +70,37 @@ class Privatizer(abc.ABC):
       per variable, and the next state. Equal inputs give bitwise-equal outputs.
     """
 
+  @property
+  def clipped_sum_norm(self) -> Optional[float]:
+    """C, if `update` uses the per-example gradients only through their sum
+    after each is clipped to global L2 norm C (`clipping.clip_factors`);
+    otherwise None.
+
+    An engine that forms that sum without materializing the per-example
+    gradients (`tfdpx.keras.make_private`'s fast clipping) then calls
+    `update_clipped_sum` instead of `update`, with the same result.
+    """
+    return None
+
+  def update_clipped_sum(self, clipped_sum: Sequence[tf.Tensor], state: State,
+                         seed: tf.Tensor) -> Tuple[List[tf.Tensor], State]:
+    """`update`, given the clipped sum instead of the per-example gradients.
+
+    Only for privatizers whose `clipped_sum_norm` is not None.
+
+    Args:
+      clipped_sum: one tensor per variable, the sum over this replica's
+        examples of their gradients, each example clipped to global L2 norm
+        `clipped_sum_norm` (all-reduced here under `tf.distribute`).
+      state, seed: as in `update`.
+
+    Returns:
+      As `update`.
+    """
+    raise NotImplementedError(
+        f'{self.name} needs the per-example gradients, not only their clipped '
+        'sum')
+
   @abc.abstractmethod
   def dp_event(self, step: int) -> dp_accounting.DpEvent:
     """The privacy event of step `step` (0-based) before sampling."""

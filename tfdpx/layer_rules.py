@@ -36,12 +36,19 @@ class LayerRule:
       to `tap`. Variables it omits get no gradient from this call.
     supports: `supports(layer, inputs) -> bool`; when False this call goes
       to the vectorized fallback instead (an unusual configuration or input).
+    sq_norms: optional `sq_norms(layer, inputs, tap_grad) ->
+      [(variable, [B])]`, each example's squared L2 norm of each variable's
+      gradient computed without the gradient itself (fast clipping), or None
+      where that is not cheaper; without it the norms come from `grads`.
   """
   forward: Callable[[tf.keras.layers.Layer, tf.Tensor],
                     Tuple[tf.Tensor, tf.Tensor]]
   grads: Callable[[tf.keras.layers.Layer, tf.Tensor, tf.Tensor], Grads]
   supports: Callable[[tf.keras.layers.Layer, tf.Tensor],
                      bool] = lambda layer, inputs: True
+  sq_norms: Optional[Callable[[tf.keras.layers.Layer, tf.Tensor, tf.Tensor],
+                              Optional[List[Tuple[tf.Variable,
+                                                  tf.Tensor]]]]] = None
 
 
 _RULES: Dict[type, LayerRule] = {}
@@ -105,6 +112,32 @@ def _dense_grads(layer, inputs, tap_grad):
   if layer.use_bias:
     grads.append((layer.bias, bias))
   return grads
+
+
+def _dense_sq_norms(layer, inputs, tap_grad):
+  # The kernel gradient of one example is x^T g (x: [T, I], g: [T, O]); its
+  # squared norm is sum_{t,s} (x_t . x_s)(g_t . g_s), "ghost" norms (Goodfellow
+  # 2015; Li et al. 2022), cheaper than x^T g unless T^2 > I * O.
+  inputs = tf.cast(inputs, tap_grad.dtype)
+  if inputs.shape.rank == 2:
+    g_squared = tf.reduce_sum(tf.square(tap_grad), axis=1)
+    kernel = tf.reduce_sum(tf.square(inputs), axis=1) * g_squared
+    bias = g_squared
+  else:
+    steps = inputs.shape[1:-1].num_elements()
+    if steps is None or steps * steps > layer.kernel.shape.num_elements():
+      return None
+    batch = tf.shape(inputs)[0]
+    x = tf.reshape(inputs, [batch, steps, inputs.shape[-1]])
+    g = tf.reshape(tap_grad, [batch, steps, tap_grad.shape[-1]])
+    kernel = tf.reduce_sum(
+        tf.einsum('bti,bsi->bts', x, x) * tf.einsum('bto,bso->bts', g, g),
+        axis=[1, 2])
+    bias = tf.reduce_sum(tf.square(tf.reduce_sum(g, axis=1)), axis=1)
+  norms = [(layer.kernel, kernel)]
+  if layer.use_bias:
+    norms.append((layer.bias, bias))
+  return [(v, tf.cast(n, tf.float32)) for v, n in norms]
 
 
 # --- Conv1D / Conv2D ---------------------------------------------------------
@@ -232,7 +265,8 @@ def _group_norm_supports(layer, inputs):
           getattr(inputs, '_keras_mask', None) is None)
 
 
-register(tf.keras.layers.Dense, LayerRule(_dense_forward, _dense_grads))
+register(tf.keras.layers.Dense,
+         LayerRule(_dense_forward, _dense_grads, sq_norms=_dense_sq_norms))
 register(tf.keras.layers.Conv1D,
          LayerRule(_conv_forward, _conv_grads, _conv_supports))
 register(tf.keras.layers.Conv2D,

@@ -86,6 +86,23 @@ def gaussian_like(
   return noise
 
 
+def replica_sum(sums: Sequence[tf.Tensor]) -> List[tf.Tensor]:
+  """All-reduces each replica's sums under `tf.distribute`; identity otherwise.
+
+  Args:
+    sums: one tensor per variable (or per released part): this replica's sum
+      over its examples.
+
+  Returns:
+    The sums over the global batch, identical on every replica.
+  """
+  sums = list(sums)
+  context = tf.distribute.get_replica_context()
+  if context is not None and context.num_replicas_in_sync > 1:
+    sums = context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
+  return sums
+
+
 def batch_sum(records: Sequence[tf.Tensor],
               weights: Optional[tf.Tensor] = None) -> List[tf.Tensor]:
   """Sum over the batch axis of each tensor, and over replicas when distributed.
@@ -107,35 +124,46 @@ def batch_sum(records: Sequence[tf.Tensor],
   else:
     sums = [tf.tensordot(tf.cast(weights, r.dtype), r, axes=1)
             for r in records]
-  context = tf.distribute.get_replica_context()
-  if context is not None and context.num_replicas_in_sync > 1:
-    sums = context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
-  return sums
+  return replica_sum(sums)
+
+
+def add_gaussian(sums: Sequence[tf.Tensor], l2_norm_clip, noise_multiplier,
+                 seed: tf.Tensor) -> List[tf.Tensor]:
+  """Adds N(0, (l2_norm_clip * noise_multiplier)^2) noise to each coordinate.
+
+  Args:
+    sums: sums over the global batch of records clipped so that, over all
+      tensors together, each example's L2 norm is at most `l2_norm_clip`: then
+      this is the Gaussian mechanism with noise multiplier `noise_multiplier`.
+    l2_norm_clip: the L2 bound of one example's records.
+    noise_multiplier: noise std in units of `l2_norm_clip`.
+    seed: int64 `[2]` seed of this release.
+
+  Returns:
+    One noisy tensor per sum.
+  """
+  # multiply_no_nan: zero noise stays zero for an infinite clip norm.
+  stddev = tf.math.multiply_no_nan(_float64(l2_norm_clip),
+                                   _float64(noise_multiplier))
+  return [s + n for s, n in zip(sums, gaussian_like(sums, stddev, seed))]
 
 
 def gaussian_sum(
-    records: Sequence[tf.Tensor], l2_norm_clip, noise_multiplier, seed: tf.Tensor,
-    weights: Optional[tf.Tensor] = None
+    records: Sequence[tf.Tensor], l2_norm_clip, noise_multiplier, seed: tf.Tensor
 ) -> List[tf.Tensor]:
   """Sum over the batch axis plus Gaussian noise of std `l2_norm_clip * noise_multiplier`.
 
-  The records (each multiplied by its weight, if `weights` is given) must be
-  clipped so that, over all tensors together, each example's L2 norm is at
-  most `l2_norm_clip`: then this is the Gaussian mechanism with noise
-  multiplier `noise_multiplier`.
+  The records must already be clipped so that, over all tensors together, each
+  example's L2 norm is at most `l2_norm_clip`: then this is the Gaussian
+  mechanism with noise multiplier `noise_multiplier`.
 
   Args:
     records: one `[B, ...]` tensor per variable (or per released part).
     l2_norm_clip: the L2 bound of one example's records.
     noise_multiplier: noise std in units of `l2_norm_clip`.
     seed: int64 `[2]` seed of this release.
-    weights: optional `[B]` factors of the records, as in `batch_sum`.
 
   Returns:
     One `[...]` tensor per record tensor.
   """
-  sums = batch_sum(records, weights)
-  # multiply_no_nan: zero noise stays zero for an infinite clip norm.
-  stddev = tf.math.multiply_no_nan(_float64(l2_norm_clip),
-                                   _float64(noise_multiplier))
-  return [s + n for s, n in zip(sums, gaussian_like(sums, stddev, seed))]
+  return add_gaussian(batch_sum(records), l2_norm_clip, noise_multiplier, seed)

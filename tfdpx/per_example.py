@@ -12,10 +12,11 @@ batch. See docs/per_example.md.
 """
 
 import logging
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
+from tfdpx import clipping
 from tfdpx import layer_rules
 
 _LOG = logging.getLogger(__name__)
@@ -76,13 +77,18 @@ class GradientResult(NamedTuple):
   """What one pass of `model_gradients` computes.
 
   Attributes:
-    per_example_grads: one `[B, *var.shape]` tensor per variable of `var_list`.
+    per_example_grads: one `[B, *var.shape]` tensor per variable of `var_list`,
+      or None when `clipped_sum` is given instead.
+    clipped_sum: with fast clipping, one tensor per variable: the sum of the
+      examples' gradients, each clipped to the global L2 norm asked for;
+      otherwise None.
     outputs: the model's outputs on the batch (for metrics).
     losses: the `[B]` per-example losses.
     regularization_loss: the sum of `model.losses`, or None if there are none.
     regularization_grads: its gradient, one tensor per variable, or None.
   """
-  per_example_grads: List[tf.Tensor]
+  per_example_grads: Optional[List[tf.Tensor]]
+  clipped_sum: Optional[List[tf.Tensor]]
   outputs: Any
   losses: tf.Tensor
   regularization_loss: Optional[tf.Tensor]
@@ -267,11 +273,39 @@ def _fallback_grads(layer, args, kwargs, outputs, output_grads, chunk_size):
   return list(zip(variables, grads))
 
 
+class _Unit(NamedTuple):
+  """One layer call's share of the per-example gradients."""
+  variables: List[tf.Variable]
+  grads: Callable[[], List[Tuple[tf.Variable, tf.Tensor]]]
+  sq_norms: Callable[[], Optional[List[Tuple[tf.Variable, tf.Tensor]]]]
+
+
+def _rule_unit(layer, rule, inputs, tap_grad) -> _Unit:
+  def sq_norms():
+    return rule.sq_norms(layer, inputs, tap_grad) if rule.sq_norms else None
+  return _Unit(layer.trainable_weights,
+               lambda: rule.grads(layer, inputs, tap_grad), sq_norms)
+
+
+def _fallback_unit(layer, args, kwargs, outputs, output_grads,
+                   chunk_size) -> _Unit:
+  return _Unit(
+      layer.trainable_weights,
+      lambda: _fallback_grads(layer, args, kwargs, outputs, output_grads,
+                              chunk_size), lambda: None)
+
+
+def _shares_variables(units: Sequence[_Unit]) -> bool:
+  refs = [v.ref() for unit in units for v in unit.variables]
+  return len(refs) != len(set(refs))
+
+
 def model_gradients(model: tf.keras.Model, inputs: Any,
                     per_example_loss: Callable[[Any], tf.Tensor],
                     var_list: Sequence[tf.Variable],
                     chunk_size: int = 128,
-                    use_rules: bool = True) -> GradientResult:
+                    use_rules: bool = True,
+                    l2_norm_clip: Optional[float] = None) -> GradientResult:
   """Per-example gradients of a Keras model in one batched pass.
 
   Args:
@@ -284,10 +318,17 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
     chunk_size: examples per `tf.vectorized_map` call of the fallback.
     use_rules: False sends every layer to the fallback (for tests and
       benchmarks).
+    l2_norm_clip: if given, fast clipping: compute each example's global
+      gradient norm layer by layer (without materializing the gradient where
+      a rule knows the norm, as for Dense), then the clipped sum by one more
+      backward pass of the losses weighted by the clip factors, and return it
+      as `clipped_sum`. A model that uses one variable in several layer calls
+      gets `per_example_grads` instead (the norm of a sum is not a sum of
+      norms).
 
   Returns:
-    A `GradientResult`. The per-example gradients exclude `model.losses`,
-    whose gradient is returned separately.
+    A `GradientResult`. Gradients exclude `model.losses`, whose gradient is
+    returned separately.
 
   Raises:
     ValueError: if a regularization loss depends on the data.
@@ -320,28 +361,50 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
   fallback_outputs = [o for _, _, _, o in recorder.fallback_calls]
   grads = tape.gradient(total, [taps, fallback_outputs],
                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
+  units = [
+      _rule_unit(layer, rule, layer_inputs, tap_grad)
+      for (layer, rule, layer_inputs, _), tap_grad in zip(
+          recorder.rule_calls, grads[0])
+  ] + [
+      _fallback_unit(layer, args, kwargs, outs, out_grads, chunk_size)
+      for (layer, args, kwargs, outs), out_grads in zip(
+          recorder.fallback_calls, grads[1])
+  ]
+  batch = tf.shape(losses)[0]
+
+  if l2_norm_clip is not None and not _shares_variables(units):
+    wanted = {v.ref() for v in var_list}
+    squares = [tf.zeros([batch])]
+    for unit in units:
+      pairs = unit.sq_norms()
+      if pairs is None:  # Materialize this unit's gradients, then reduce.
+        pairs = [(v, clipping.squared_norm(g)) for v, g in unit.grads()]
+      squares.extend(sq for v, sq in pairs if v.ref() in wanted)
+    factors = clipping.clip_factor(tf.sqrt(tf.add_n(squares)), l2_norm_clip)
+    # sum_b factor_b * grad(loss_b) = grad of the factor-weighted losses.
+    clipped_sum = tape.gradient(
+        losses, list(var_list),
+        output_gradients=tf.cast(factors, losses.dtype),
+        unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    del tape
+    clipped_sum = [tf.convert_to_tensor(g) for g in clipped_sum]  # Embeddings.
+    return GradientResult(None, clipped_sum, outputs, losses, regularization,
+                          regularization_grads)
   del tape
-  pairs = []
-  for (layer, rule, layer_inputs, _), tap_grad in zip(recorder.rule_calls,
-                                                      grads[0]):
-    pairs.extend(rule.grads(layer, layer_inputs, tap_grad))
-  for (layer, args, kwargs, outs), out_grads in zip(recorder.fallback_calls,
-                                                    grads[1]):
-    pairs.extend(
-        _fallback_grads(layer, args, kwargs, outs, out_grads, chunk_size))
 
   sums = {}
-  for variable, grad in pairs:
-    key = variable.ref()
-    grad = tf.cast(grad, variable.dtype)
-    sums[key] = sums[key] + grad if key in sums else grad
-  batch = tf.shape(losses)[0]
+  for unit in units:
+    for variable, grad in unit.grads():
+      key = variable.ref()
+      grad = tf.cast(grad, variable.dtype)
+      sums[key] = sums[key] + grad if key in sums else grad
   per_example_grads = [
-      sums.get(v.ref(), tf.zeros(tf.concat([[batch], tf.shape(v)], 0),
-                                 v.dtype)) for v in var_list
+      sums[v.ref()] if v.ref() in sums else
+      tf.zeros(tf.concat([[batch], tf.shape(v)], 0), v.dtype)
+      for v in var_list
   ]
-  return GradientResult(per_example_grads, outputs, losses, regularization,
-                        regularization_grads)
+  return GradientResult(per_example_grads, None, outputs, losses,
+                        regularization, regularization_grads)
 
 
 def microbatch_means(per_example_grads: Sequence[tf.Tensor],

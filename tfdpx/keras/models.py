@@ -94,7 +94,7 @@ class _PrivateTraining:
   """The engine settings and training step shared by the model classes."""
 
   def _set_engine(self, chunk_size, public_data, public_chunk_size,
-                  use_layer_rules):
+                  use_layer_rules, fast_clipping):
     if int(chunk_size) != chunk_size or chunk_size < 1:
       raise ValueError(
           f'chunk_size must be a positive integer, got {chunk_size!r}')
@@ -113,6 +113,7 @@ class _PrivateTraining:
     self._dp_public_data = public_data
     self._dp_public_chunk_size = int(public_chunk_size or chunk_size)
     self._dp_use_layer_rules = bool(use_layer_rules)
+    self._dp_fast_clipping = bool(fast_clipping)
 
   @property
   def public_data(self) -> Optional[Tuple[Any, Any]]:
@@ -131,20 +132,17 @@ class _PrivateTraining:
       self.build(tf.nest.map_structure(lambda t: t.shape, x))
     check_private_compatible(self)
     var_list = self.trainable_variables
+    l2_norm_clip = None
+    if self._dp_fast_clipping and self._dp_public_data is None:
+      l2_norm_clip = optimizer.clipped_sum_norm
     result = per_example.model_gradients(
         self, x,
         lambda outputs: per_example_loss(self, y, outputs, sample_weight),
-        var_list, self._dp_chunk_size, self._dp_use_layer_rules)
-    records = per_example.microbatch_means(
-        result.per_example_grads, optimizer._num_microbatches)  # pylint: disable=protected-access
-    public_grads = None
-    if self._dp_public_data is not None:
-      x_public, y_public = self._dp_public_data
-      public_grads = per_example.public_gradients(
-          self, x_public, y_public,
-          lambda y_true, outputs: per_example_loss(self, y_true, outputs),
-          var_list, self._dp_public_chunk_size, self._dp_use_layer_rules)
-    grads = optimizer.privatize(records, var_list, public_grads=public_grads)
+        var_list, self._dp_chunk_size, self._dp_use_layer_rules, l2_norm_clip)
+    if result.clipped_sum is not None:
+      grads = optimizer.privatize_clipped_sum(result.clipped_sum, var_list)
+    else:
+      grads = self._privatize(optimizer, result.per_example_grads, var_list)
     if result.regularization_grads is not None:
       # model.losses are data-independent (model_gradients checks): their
       # gradient is added after the noise, outside the clipped sum.
@@ -159,19 +157,33 @@ class _PrivateTraining:
                        regularization_losses=regularization)
     return self.compute_metrics(x, y, result.outputs, sample_weight)
 
+  def _privatize(self, optimizer, per_example_grads, var_list):
+    records = per_example.microbatch_means(
+        per_example_grads, optimizer._num_microbatches)  # pylint: disable=protected-access
+    public_grads = None
+    if self._dp_public_data is not None:
+      x_public, y_public = self._dp_public_data
+      public_grads = per_example.public_gradients(
+          self, x_public, y_public,
+          lambda y_true, outputs: per_example_loss(self, y_true, outputs),
+          var_list, self._dp_public_chunk_size, self._dp_use_layer_rules)
+    return optimizer.privatize(records, var_list, public_grads=public_grads)
+
   def get_config(self):
     return {**super().get_config(), 'chunk_size': self._dp_chunk_size,
-            'use_layer_rules': self._dp_use_layer_rules}
+            'use_layer_rules': self._dp_use_layer_rules,
+            'fast_clipping': self._dp_fast_clipping}
 
   @classmethod
   def from_config(cls, config, custom_objects=None):
     config = dict(config)
-    engine = {k: config.pop(k) for k in ('chunk_size', 'use_layer_rules')
+    engine = {k: config.pop(k)
+              for k in ('chunk_size', 'use_layer_rules', 'fast_clipping')
               if k in config}
     model = super().from_config(config, custom_objects)
     model._set_engine(  # pylint: disable=protected-access
         engine.get('chunk_size', DEFAULT_CHUNK_SIZE), None, None,
-        engine.get('use_layer_rules', True))
+        engine.get('use_layer_rules', True), engine.get('fast_clipping', True))
     return model
 
 
@@ -196,7 +208,8 @@ class DPModel(_PrivateTraining, tf.keras.Model):
 
   def __init__(self, *args, chunk_size: int = DEFAULT_CHUNK_SIZE,
                public_data=None, public_chunk_size: Optional[int] = None,
-               use_layer_rules: bool = True, **kwargs):
+               use_layer_rules: bool = True, fast_clipping: bool = True,
+               **kwargs):
     """Args:
       *args: as `tf.keras.Model`.
       chunk_size: examples per `tf.vectorized_map` call of the fallback (and
@@ -210,6 +223,14 @@ class DPModel(_PrivateTraining, tf.keras.Model):
         `chunk_size`).
       use_layer_rules: False sends every layer to the vectorized fallback (for
         comparisons; slower).
+      fast_clipping: when the optimizer's privatizer only needs the sum of
+        the clipped per-example gradients (DP-SGD's `gaussian`, without
+        microbatches), compute each example's gradient norm layer by layer
+        (Dense layers without their per-example gradients) and the clipped
+        sum by a second backward pass, instead of materializing every
+        per-example gradient: less memory, and much faster for large Dense
+        layers. The result is the same up to float rounding. False always
+        materializes (for comparisons).
       **kwargs: as `tf.keras.Model`.
 
     Raises:
@@ -217,7 +238,7 @@ class DPModel(_PrivateTraining, tf.keras.Model):
     """
     super().__init__(*args, **kwargs)
     self._set_engine(chunk_size, public_data, public_chunk_size,
-                     use_layer_rules)
+                     use_layer_rules, fast_clipping)
 
 
 @tf.keras.saving.register_keras_serializable(package='tfdpx')
@@ -232,18 +253,18 @@ class DPSequential(_PrivateTraining, tf.keras.Sequential):
   def __init__(self, layers=None, name=None, *,
                chunk_size: int = DEFAULT_CHUNK_SIZE, public_data=None,
                public_chunk_size: Optional[int] = None,
-               use_layer_rules: bool = True):
+               use_layer_rules: bool = True, fast_clipping: bool = True):
     """Args:
       layers, name: as `tf.keras.Sequential`.
-      chunk_size, public_data, public_chunk_size, use_layer_rules: as
-        `DPModel`.
+      chunk_size, public_data, public_chunk_size, use_layer_rules,
+        fast_clipping: as `DPModel`.
 
     Raises:
       ValueError: naming the argument that is invalid.
     """
     super().__init__(layers, name)
     self._set_engine(chunk_size, public_data, public_chunk_size,
-                     use_layer_rules)
+                     use_layer_rules, fast_clipping)
 
 
 class _Wrapped(DPModel):
@@ -260,7 +281,8 @@ class _Wrapped(DPModel):
 def make_private(model: tf.keras.Model, *,
                  chunk_size: int = DEFAULT_CHUNK_SIZE,
                  public_data=None, public_chunk_size: Optional[int] = None,
-                 use_layer_rules: bool = True) -> tf.keras.Model:
+                 use_layer_rules: bool = True,
+                 fast_clipping: bool = True) -> tf.keras.Model:
   """A model sharing `model`'s layers and weights, trained with fast DP steps.
 
   Compile the returned model with a tfdpx optimizer (`tfdpx.keras.DPSGD`, ...)
@@ -269,14 +291,16 @@ def make_private(model: tf.keras.Model, *,
   pass (per-layer rules for Dense, Conv1D, Conv2D, Embedding,
   LayerNormalization, GroupNormalization; a chunked `tf.vectorized_map`
   fallback for any other layer) and hands them to the optimizer's
-  `privatize`. `evaluate` and `predict` are Keras's own.
+  `privatize`. For DP-SGD (`gaussian`) it computes only the per-example
+  norms and the clipped sum (`fast_clipping`). `evaluate` and `predict` are
+  Keras's own.
 
   Args:
     model: a Sequential, functional or subclassed Keras model. Functional and
       Sequential models get the per-layer rules; a subclassed model is one
       fallback unit.
-    chunk_size, public_data, public_chunk_size, use_layer_rules: see
-      `DPModel`.
+    chunk_size, public_data, public_chunk_size, use_layer_rules,
+      fast_clipping: see `DPModel`.
 
   Returns:
     A `DPModel` or `DPSequential`.
@@ -297,7 +321,7 @@ def make_private(model: tf.keras.Model, *,
   check_private_compatible(model)
   engine = dict(chunk_size=chunk_size, public_data=public_data,
                 public_chunk_size=public_chunk_size,
-                use_layer_rules=use_layer_rules)
+                use_layer_rules=use_layer_rules, fast_clipping=fast_clipping)
   if isinstance(model, tf.keras.Sequential) and not model.built:
     return DPSequential(model.layers, name=model.name + '_private', **engine)
   if getattr(model, '_is_graph_network', False):

@@ -185,6 +185,17 @@ class DPOptimizerMixin:
         self._weights.append(variable)
     _ = self.dp_steps
 
+  @property
+  def clipped_sum_norm(self) -> Optional[float]:
+    """The privatizer's `clipped_sum_norm` when one record is one example.
+
+    Not None means a model made private may hand `privatize_clipped_sum` the
+    clipped sum instead of the per-example gradients (fast clipping).
+    """
+    if self._num_microbatches is not None:
+      return None  # A microbatch's norm is not a sum of per-example terms.
+    return self._privatizer.clipped_sum_norm
+
   def privatize(self, per_example_grads, var_list, *, public_grads=None):
     """Privatized mean gradient from per-record gradients.
 
@@ -207,14 +218,43 @@ class DPOptimizerMixin:
           f'{self._privatizer.name} needs per-example gradients of public '
           'data; train a model made private with public data '
           '(tfdpx.keras.make_private)')
+    return self._privatized(
+        var_list, lambda state, seed: self._privatizer.update(
+            list(per_example_grads), state, seed, public_grads=public_grads))
+
+  def privatize_clipped_sum(self, clipped_sum, var_list):
+    """As `privatize`, from the sum of the examples' clipped gradients.
+
+    Args:
+      clipped_sum: one tensor per variable: the sum over this replica's
+        examples of their gradients, each clipped to global L2 norm
+        `clipped_sum_norm`.
+      var_list: the trainable variables, in the same order.
+
+    Returns:
+      As `privatize`.
+
+    Raises:
+      ValueError: if `clipped_sum_norm` is None.
+    """
+    if self.clipped_sum_norm is None:
+      raise ValueError(
+          f'{self._privatizer.name} with num_microbatches='
+          f'{self._num_microbatches} needs per-record gradients, not a '
+          'clipped sum')
+    return self._privatized(
+        var_list, lambda state, seed: self._privatizer.update_clipped_sum(
+            list(clipped_sum), state, seed))
+
+  def _privatized(self, var_list, update):
+    """Runs `update(state, seed)`, keeps its new state, returns the mean."""
     self._create_dp_weights(var_list)
     self._was_dp_gradients_called = True
     state = tf.nest.pack_sequence_as(
         self._dp_state_structure, [v.read_value() for v in self._dp_state_vars])
     step = self.dp_steps.read_value()
     seed = tf.stack([tf.constant(self._secret, tf.int64), step])
-    noisy_sum, new_state = self._privatizer.update(
-        list(per_example_grads), state, seed, public_grads=public_grads)
+    noisy_sum, new_state = update(state, seed)
     # The updates wait for the noisy sum, which depends on the data: a step
     # that fails for want of data (the end of a dataset of unknown length)
     # must not advance the state or the step count.
