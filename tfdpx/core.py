@@ -78,7 +78,8 @@ class Privatizer(abc.ABC):
 
     An engine that forms that sum without materializing the per-example
     gradients (`tfdpx.keras.make_private`'s fast clipping) then calls
-    `update_clipped_sum` instead of `update`, with the same result.
+    `update_clipped_sum` instead of `update`, with the same result. A
+    subclass that overrides `update` must override both or return None here.
     """
     return None
 
