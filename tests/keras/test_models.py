@@ -44,13 +44,15 @@ def _sgd(privatizer=None, **kwargs):
       seed=3, learning_rate=0.5, **kwargs)
 
 
-@pytest.mark.parametrize('num_microbatches', [None, 4])
+@pytest.mark.parametrize('num_microbatches,fast_clipping',
+                         [(None, True), (None, False), (4, True)])
 def test_compile_path_and_make_private_give_the_same_noisy_update(
-    num_microbatches):
+    num_microbatches, fast_clipping):
   x, y = _data()
   plain, private_base = _cnn(), _cnn()
   plain.compile(_sgd(num_microbatches=num_microbatches), _loss())
-  private = tfdpx.keras.make_private(private_base)
+  private = tfdpx.keras.make_private(private_base,
+                                     fast_clipping=fast_clipping)
   private.compile(_sgd(num_microbatches=num_microbatches), _loss())
   start = plain.get_weights()
   plain.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
