@@ -41,6 +41,8 @@ flags.DEFINE_integer('quadratic_steps', 2,
 flags.DEFINE_integer('max_quadratic_batch', 256,
                      'Largest batch for the O(batch^2) jacobian paths.')
 flags.DEFINE_integer('chunk_size', 128, 'make_private chunk_size.')
+flags.DEFINE_list('privatizers', None,
+                  'Privatizers timed via make_private (default: all).')
 flags.DEFINE_bool('memory', True, 'Also measure peak memory per process.')
 flags.DEFINE_string('memory_probe', None,
                     'Internal: "model,batch,config": train a few steps and '
@@ -148,7 +150,7 @@ def build(model_name, batch, config):
 
 def configs():
   names = ['non-private']
-  for name in PRIVATIZERS:
+  for name in FLAGS.privatizers or PRIVATIZERS:
     names += [f'tfdpx {name}', f'tfdpx {name} xla']
   names += ['tfdpx gaussian materialized', 'tfdpx gaussian fallback',
             'tfdpx compile path', 'tf-privacy DPSequential',

@@ -274,25 +274,50 @@ def _fallback_grads(layer, args, kwargs, outputs, output_grads, chunk_size):
 
 
 class _Unit(NamedTuple):
-  """One layer call's share of the per-example gradients."""
+  """One layer call's share of the per-example gradients.
+
+  `outputs` are the call's tap or outputs and `output_grads` their gradients
+  from the batched backward pass; the variables' gradients follow from them.
+  """
   variables: List[tf.Variable]
+  outputs: List[tf.Tensor]
+  output_grads: List[tf.Tensor]
   grads: Callable[[], List[Tuple[tf.Variable, tf.Tensor]]]
   sq_norms: Callable[[], Optional[List[Tuple[tf.Variable, tf.Tensor]]]]
 
 
-def _rule_unit(layer, rule, inputs, tap_grad) -> _Unit:
+def _rule_unit(layer, rule, inputs, tap, tap_grad) -> _Unit:
   def sq_norms():
     return rule.sq_norms(layer, inputs, tap_grad) if rule.sq_norms else None
-  return _Unit(layer.trainable_weights,
+  return _Unit(layer.trainable_weights, [tap], [tap_grad],
                lambda: rule.grads(layer, inputs, tap_grad), sq_norms)
 
 
 def _fallback_unit(layer, args, kwargs, outputs, output_grads,
                    chunk_size) -> _Unit:
   return _Unit(
-      layer.trainable_weights,
+      layer.trainable_weights, outputs, output_grads,
       lambda: _fallback_grads(layer, args, kwargs, outputs, output_grads,
                               chunk_size), lambda: None)
+
+
+def _weighted_sum(tape, unit: _Unit, factors: tf.Tensor):
+  """`sum_b factors[b] * g_b` for the unit's per-example gradients `g_b`.
+
+  Row b of an output gradient belongs to example b alone, so backpropagating
+  the factor-weighted output gradients to the unit's own variables (only
+  through the unit's own ops) gives the weighted sum without forming any
+  per-example gradient.
+  """
+  weighted = [
+      g * tf.reshape(tf.cast(factors, g.dtype), [-1] + [1] * (g.shape.rank - 1))
+      for g in unit.output_grads
+  ]
+  grads = tape.gradient(unit.outputs, unit.variables,
+                        output_gradients=weighted,
+                        unconnected_gradients=tf.UnconnectedGradients.ZERO)
+  return [(v, tf.convert_to_tensor(g))  # Embeddings: dense.
+          for v, g in zip(unit.variables, grads)]
 
 
 def _shares_variables(units: Sequence[_Unit]) -> bool:
@@ -320,9 +345,10 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
       benchmarks).
     l2_norm_clip: if given, fast clipping: compute each example's global
       gradient norm layer by layer (without materializing the gradient where
-      a rule knows the norm, as for Dense), then the clipped sum by one more
-      backward pass of the losses weighted by the clip factors, and return it
-      as `clipped_sum`. A model that uses one variable in several layer calls
+      a rule knows the norm, as for Dense), then the clipped sum (layers with
+      such norms: by backpropagating their factor-weighted output gradients
+      to their own weights; others: by contracting their materialized
+      gradients with the factors), and return it as `clipped_sum`. A model that uses one variable in several layer calls
       gets `per_example_grads` instead (the norm of a sum is not a sum of
       norms).
 
@@ -362,8 +388,8 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
   grads = tape.gradient(total, [taps, fallback_outputs],
                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
   units = [
-      _rule_unit(layer, rule, layer_inputs, tap_grad)
-      for (layer, rule, layer_inputs, _), tap_grad in zip(
+      _rule_unit(layer, rule, layer_inputs, tap, tap_grad)
+      for (layer, rule, layer_inputs, tap), tap_grad in zip(
           recorder.rule_calls, grads[0])
   ] + [
       _fallback_unit(layer, args, kwargs, outs, out_grads, chunk_size)
@@ -375,19 +401,25 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
   if l2_norm_clip is not None and not _shares_variables(units):
     wanted = {v.ref() for v in var_list}
     squares = [tf.zeros([batch])]
-    for unit in units:
+    materialized = {}  # Units without cheap norms: index -> gradients.
+    for i, unit in enumerate(units):
       pairs = unit.sq_norms()
-      if pairs is None:  # Materialize this unit's gradients, then reduce.
-        pairs = [(v, clipping.squared_norm(g)) for v, g in unit.grads()]
+      if pairs is None:
+        materialized[i] = unit.grads()
+        pairs = [(v, clipping.squared_norm(g)) for v, g in materialized[i]]
       squares.extend(sq for v, sq in pairs if v.ref() in wanted)
     factors = clipping.clip_factor(tf.sqrt(tf.add_n(squares)), l2_norm_clip)
-    # sum_b factor_b * grad(loss_b) = grad of the factor-weighted losses.
-    clipped_sum = tape.gradient(
-        losses, list(var_list),
-        output_gradients=tf.cast(factors, losses.dtype),
-        unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    sums = {}
+    for i, unit in enumerate(units):
+      if i in materialized:  # Already there: one contraction each.
+        pairs = [(v, tf.tensordot(tf.cast(factors, g.dtype), g, axes=1))
+                 for v, g in materialized[i]]
+      else:
+        pairs = _weighted_sum(tape, unit, factors)
+      sums.update((v.ref(), g) for v, g in pairs)
     del tape
-    clipped_sum = [tf.convert_to_tensor(g) for g in clipped_sum]  # Embeddings.
+    clipped_sum = [sums[v.ref()] if v.ref() in sums else tf.zeros_like(v)
+                   for v in var_list]
     return GradientResult(None, clipped_sum, outputs, losses, regularization,
                           regularization_grads)
   del tape
