@@ -228,8 +228,9 @@ class DPModel(_PrivateTraining, tf.keras.Model):
         microbatches), compute each example's gradient norm layer by layer
         (Dense layers without their per-example gradients) and the clipped
         sum directly, instead of materializing every per-example gradient:
-        less memory, and much faster for large Dense layers. The result is the same up to float rounding. False always
-        materializes (for comparisons).
+        less memory, and much faster for large Dense layers. The result is
+        the same up to float rounding. False always materializes (for
+        comparisons).
       **kwargs: as `tf.keras.Model`.
 
     Raises:
