@@ -70,10 +70,15 @@ class _ZeroLoss(tf.keras.losses.Loss):
     return tf.reduce_sum(0.0 * y_pred, axis=-1)
 
 
-def _pure_noise_update(privatizer, steps, batch, lr):
-  """Weight change of `steps` SGD steps whose per-example gradients are zero."""
+def _pure_noise_update(privatizer, steps, batch, lr, private=False):
+  """Weight change of `steps` SGD steps whose per-example gradients are zero.
+
+  `private=True` trains the model made private (DP-SGD: fast clipping).
+  """
   tf.keras.utils.set_random_seed(1)
   model = tf.keras.Sequential([tf.keras.layers.Dense(1000, input_shape=(100,))])
+  if private:
+    model = tfdpx.keras.make_private(model)
   zero_loss = _ZeroLoss(reduction=NONE)
   model.compile(tfdpx.keras.DPSGD(privatizer=privatizer,
                                   expected_batch_size=batch, learning_rate=lr,
@@ -85,10 +90,12 @@ def _pure_noise_update(privatizer, steps, batch, lr):
   return after - before
 
 
-def test_zero_gradients_give_noise_of_the_claimed_std():
+@pytest.mark.parametrize('private', [False, True],
+                         ids=['compile_path', 'make_private'])
+def test_zero_gradients_give_noise_of_the_claimed_std(private):
   lr, z, c, batch, steps = 0.1, 1.3, 0.8, 8, 1
   expected = np.sqrt(steps) * lr * z * c / batch
-  delta = _pure_noise_update(gaussian(c, z), steps, batch, lr)
+  delta = _pure_noise_update(gaussian(c, z), steps, batch, lr, private)
   assert stats.relative_tolerance(delta.size) < 0.012
   assert stats.std_matches(delta, expected)
   # Two-sided: a step that claims 3% less or more noise is rejected.
