@@ -64,12 +64,13 @@ def _fit(strategy, privatizer, loss, x, y, units, lr=0.1, private=False):
   return model, before, replicas_agree, int(optimizer.dp_steps.numpy())
 
 
-def noise(units=1000):
+def noise(units=1000, private=False):
   """Weight change of one step with zero per-example gradients."""
   x = np.ones((GLOBAL_BATCH, 100), 'float32')
   model, before, agree, steps = _fit(MIRRORED, gaussian(0.8, 1.3),
                                      ZeroLoss(reduction=NONE), x,
-                                     np.zeros(GLOBAL_BATCH), units)
+                                     np.zeros(GLOBAL_BATCH), units,
+                                     private=private)
   delta = np.concatenate([(w.numpy() - b).ravel()
                           for w, b in zip(model.weights, before)])
   return {'delta': delta.tolist(), 'replicas_agree': agree, 'dp_steps': steps}
@@ -104,5 +105,5 @@ def agree():
 
 
 if __name__ == '__main__':
-  print(json.dumps({'noise': noise(), 'noiseless': noiseless(),
-                    'agree': agree()}))
+  print(json.dumps({'noise': noise(), 'noise_make_private': noise(private=True),
+                    'noiseless': noiseless(), 'agree': agree()}))

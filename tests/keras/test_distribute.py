@@ -22,8 +22,9 @@ def runs():
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_noise_is_added_once_per_global_step(runs):
-  result = runs['noise']
+@pytest.mark.parametrize('engine', ['noise', 'noise_make_private'])
+def test_noise_is_added_once_per_global_step(runs, engine):
+  result = runs[engine]
   delta = np.asarray(result['delta'])
   lr, z, c, global_batch = 0.1, 1.3, 0.8, 8
   expected = lr * z * c / global_batch
