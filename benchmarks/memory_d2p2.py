@@ -43,7 +43,7 @@ def main():
       1.0, projection=args.projection, projection_ratio=args.ratio,
       back_projection='unbiased')
   optimizer = tfdpx.keras.DPSGD(privatizer, expected_batch_size=args.batch,
-                                learning_rate=0.1, seed=0)
+                                learning_rate=0.1, noise_seed=0)
   variables = model.trainable_variables
   rng = np.random.default_rng(0)
   x = tf.constant(rng.normal(size=(args.batch, 1000)), tf.float32)

@@ -65,7 +65,7 @@ def train(privatizer, lr, seed, train_set, test_set, steps, q):
   model = models.tutorial_cnn((28, 28, 1))
   n = len(train_set[0])
   optimizer = tfdpx.keras.DPSGD(privatizer, expected_batch_size=q * n,
-                                seed=seed, learning_rate=lr)
+                                noise_seed=seed, learning_rate=lr)
   loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(
       from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
   step = private_step.private_step(model, optimizer, loss_fn)

@@ -56,7 +56,7 @@ def train(method, seed, args, noise_multiplier, data):
     privatizer = privatizers.gaussian(args.clip, noise_multiplier)
   optimizer = tfdpx.keras.DPSGD(
       privatizer=privatizer, expected_batch_size=args.batch,
-      learning_rate=args.learning_rate, seed=seed)
+      learning_rate=args.learning_rate, noise_seed=seed)
   x_pub = tf.constant(x_pub)
   image = tf.TensorSpec([None, 28, 28, 1], tf.float32)
 

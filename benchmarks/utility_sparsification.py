@@ -64,7 +64,7 @@ def train(privatizer, seed, train_data, test_data, steps_per_epoch):
   model = models.tutorial_cnn((28, 28, 1), activation='tanh')
   optimizer = tfdpx.keras.DPSGD(
       privatizer=privatizer, expected_batch_size=_BATCH.value,
-      learning_rate=_LR.value, momentum=_MOMENTUM.value, seed=seed)
+      learning_rate=_LR.value, momentum=_MOMENTUM.value, noise_seed=seed)
   loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
   @tf.function

@@ -137,7 +137,7 @@ def build_privatizer(noise_multiplier, steps_per_epoch):
 
 def build_optimizer(privatizer, seed):
   common = dict(privatizer=privatizer, expected_batch_size=FLAGS.batch_size,
-                learning_rate=FLAGS.learning_rate, seed=seed)
+                learning_rate=FLAGS.learning_rate, noise_seed=seed)
   if FLAGS.optimizer == 'sgd':
     return tfdpx.keras.DPSGD(momentum=FLAGS.momentum, **common)
   if FLAGS.optimizer == 'adam':

@@ -53,7 +53,7 @@ def _fit(strategy, privatizer, loss, x, y, units, lr=0.1, private=False):
       model = tfdpx.keras.make_private(model)
     optimizer = tfdpx.keras.DPSGD(privatizer=privatizer,
                                   expected_batch_size=GLOBAL_BATCH,
-                                  learning_rate=lr, seed=5)
+                                  learning_rate=lr, noise_seed=5)
     model.compile(optimizer, loss)
   before = [w.numpy() for w in model.weights]
   model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)

@@ -41,7 +41,7 @@ def _loss(reduction=NONE):
 def _sgd(privatizer=None, **kwargs):
   return tfdpx.keras.DPSGD(
       privatizer=privatizer or gaussian(0.5, 1.0), expected_batch_size=12,
-      seed=3, learning_rate=0.5, **kwargs)
+      noise_seed=3, learning_rate=0.5, **kwargs)
 
 
 @pytest.mark.parametrize('num_microbatches,fast_clipping',

@@ -82,7 +82,7 @@ def _pure_noise_update(privatizer, steps, batch, lr, private=False):
   zero_loss = _ZeroLoss(reduction=NONE)
   model.compile(tfdpx.keras.DPSGD(privatizer=privatizer,
                                   expected_batch_size=batch, learning_rate=lr,
-                                  seed=7), zero_loss)
+                                  noise_seed=7), zero_loss)
   before = np.concatenate([w.ravel() for w in model.get_weights()])
   x = np.ones((steps * batch, 100), 'float32')
   model.fit(x, np.zeros(steps * batch), batch_size=batch, epochs=1, verbose=0)
@@ -117,7 +117,7 @@ def test_checkpoint_restores_optimizer_and_privatizer_state(tmp_path):
     model = _mlp()
     optimizer = tfdpx.keras.DPAdam(l2_norm_clip=0.5, noise_multiplier=1.0,
                                    expected_batch_size=16, learning_rate=0.05,
-                                   seed=11)
+                                   noise_seed=11)
     model.compile(optimizer, _loss())
     return model, optimizer
 
@@ -139,7 +139,7 @@ def test_checkpoint_restores_optimizer_and_privatizer_state(tmp_path):
 
 def test_config_round_trips_with_the_privacy_arguments():
   optimizer = tfdpx.keras.DPAdam(
-      privatizer=gaussian(0.7, 1.2), expected_batch_size=64, seed=3,
+      privatizer=gaussian(0.7, 1.2), expected_batch_size=64, noise_seed=3,
       learning_rate=0.01, beta_1=0.8)
   rebuilt = tfdpx.keras.DPAdam.from_config(optimizer.get_config())
   assert rebuilt.privatizer == optimizer.privatizer
@@ -154,7 +154,7 @@ def test_config_round_trips_with_the_privacy_arguments():
 def test_secret_seed_stays_out_of_the_config():
   optimizer = tfdpx.keras.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
                                 expected_batch_size=8)
-  assert optimizer.get_config()['seed'] is None
+  assert optimizer.get_config()['noise_seed'] is None
 
 
 def test_is_a_tensorflow_privacy_optimizer():
@@ -260,7 +260,7 @@ def test_model_saved_with_its_optimizer_reloads(tmp_path, filename):
   model = _mlp()
   privatizer = tfdpx.privatizers.dpdr(0.5, 1.0, decomposition_steps=3)
   model.compile(tfdpx.keras.DPSGD(privatizer=privatizer, expected_batch_size=8,
-                                  learning_rate=0.1, seed=3), _loss())
+                                  learning_rate=0.1, noise_seed=3), _loss())
   model.fit(x, y, batch_size=8, verbose=0)
   path = str(tmp_path / filename)
   model.save(path)

@@ -521,7 +521,7 @@ def test_noiseless_dpdr_training_is_plain_sgd():
   private = model()
   optimizer = tfdpx.keras.DPSGD(
       privatizers.dpdr(math.inf, 0.0, decomposition_steps=3),
-      expected_batch_size=8, learning_rate=0.5, seed=0)
+      expected_batch_size=8, learning_rate=0.5, noise_seed=0)
   private.compile(optimizer=optimizer, loss=loss)
   private.fit(data, labels, batch_size=8, epochs=5, shuffle=False, verbose=0)
   public = model()

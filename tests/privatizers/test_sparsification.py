@@ -430,7 +430,7 @@ def _fit_and_trace(make_optimizer, final_sparsity=0.8, epochs=_EPOCHS,
 def test_plain_sgd_leaves_masked_coordinates_exactly_unchanged():
   masks, snapshots = _fit_and_trace(
       lambda p: tfdpx.keras.DPSGD(privatizer=p, expected_batch_size=_BATCH,
-                                  learning_rate=0.5, momentum=0.0, seed=1))
+                                  learning_rate=0.5, momentum=0.0, noise_seed=1))
   d = masks[0].size
   for step, mask in enumerate(masks):
     before, after = snapshots[step][0], snapshots[step + 1][0]
@@ -447,7 +447,7 @@ def test_momentum_is_not_reset_on_masked_coordinates():
   masks, snapshots = _fit_and_trace(
       lambda p: tfdpx.keras.DPSGD(privatizer=p, expected_batch_size=_BATCH,
                                   learning_rate=0.5, momentum=momentum,
-                                  seed=1),
+                                  noise_seed=1),
       slot_names=('momentum',))
   checked = 0
   for step in range(1, len(masks)):
@@ -467,7 +467,7 @@ def test_adam_moments_decay_on_masked_coordinates():
   """Masked coordinates get g = 0: m <- b1 m, v <- b2 v, and w may move."""
   masks, snapshots = _fit_and_trace(
       lambda p: tfdpx.keras.DPAdam(privatizer=p, expected_batch_size=_BATCH,
-                                   learning_rate=0.05, seed=1),
+                                   learning_rate=0.05, noise_seed=1),
       slot_names=('m', 'v'))
   moved_while_masked = 0
   for step in range(1, len(masks)):

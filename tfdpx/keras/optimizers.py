@@ -51,7 +51,7 @@ class DPOptimizerMixin:
                noise_multiplier: Optional[float] = None,
                num_microbatches: Optional[int] = None,
                expected_batch_size: Optional[float] = None,
-               seed: Optional[int] = None,
+               noise_seed: Optional[int] = None,
                **kwargs):
     """Args:
       privatizer: the noise step (`tfdpx.privatizers.*`), or its
@@ -68,10 +68,11 @@ class DPOptimizerMixin:
       expected_batch_size: the public denominator of the noisy sum (the
         expected number of examples per batch). Required unless
         `num_microbatches` is given, which is then the denominator.
-      seed: integer key of every random draw. `None` (the default) draws a
-        secret seed from the operating system and keeps it out of the config:
-        anyone who knows the seed can subtract the noise, so pass one only for
-        reproducible experiments.
+      noise_seed: a known integer key of the noise, for reproducible
+        experiments only: anyone who knows it can subtract the noise, so a
+        run with it is NOT private (`noise_seed_is_known`, and every privacy
+        statement says so). `None` (the default) draws a secret key from the
+        operating system and keeps it out of the config and checkpoints.
       **kwargs: arguments of the base Keras optimizer (`learning_rate`, ...).
 
     Raises:
@@ -113,8 +114,10 @@ class DPOptimizerMixin:
           'expected_batch_size is required: the noisy sum is divided by this '
           'public number, not by the realized batch size (or pass '
           'num_microbatches, which is then the denominator)')
-    if seed is not None and (int(seed) != seed or seed < 0):
-      raise ValueError(f'seed must be a non-negative integer, got {seed!r}')
+    if noise_seed is not None and (int(noise_seed) != noise_seed or
+                                   noise_seed < 0):
+      raise ValueError(
+          f'noise_seed must be a non-negative integer, got {noise_seed!r}')
 
     config = privatizer.config
     super().__init__(
@@ -123,8 +126,8 @@ class DPOptimizerMixin:
         num_microbatches, True, **kwargs)
     self._privatizer = privatizer
     self._expected_batch_size = expected_batch_size
-    self._seed = None if seed is None else int(seed)
-    self._secret = _secret_seed() if seed is None else int(seed)
+    self._noise_seed = None if noise_seed is None else int(noise_seed)
+    self._secret = _secret_seed() if noise_seed is None else int(noise_seed)
     self._dp_state_vars = None
     self._dp_state_structure = None
     self._dp_steps = None
@@ -142,6 +145,11 @@ class DPOptimizerMixin:
     if self._num_microbatches is not None:
       return float(self._num_microbatches)
     return self._expected_batch_size
+
+  @property
+  def noise_seed_is_known(self) -> bool:
+    """True if the noise key was passed in (`noise_seed`): not private."""
+    return self._noise_seed is not None
 
   @property
   def records_are_microbatches(self) -> bool:
@@ -306,7 +314,7 @@ class DPOptimizerMixin:
         'privatizer': core.serialize(self._privatizer),
         'num_microbatches': self._num_microbatches,
         'expected_batch_size': self._expected_batch_size,
-        'seed': self._seed,
+        'noise_seed': self._noise_seed,
     })
     return config
 
