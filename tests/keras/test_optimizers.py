@@ -115,9 +115,11 @@ def test_checkpoint_restores_optimizer_and_privatizer_state(tmp_path):
 
   def make():
     model = _mlp()
-    optimizer = tfdpx.keras.DPAdam(l2_norm_clip=0.5, noise_multiplier=1.0,
-                                   expected_batch_size=16, learning_rate=0.05,
-                                   noise_seed=11)
+    # No noise, clipping active: the resumed run must then equal the
+    # uninterrupted one exactly (Adam's slots, iterations and the ledger are
+    # restored; the noise of a resumed run is fresh by design).
+    optimizer = tfdpx.keras.DPAdam(l2_norm_clip=0.5, noise_multiplier=0.0,
+                                   expected_batch_size=16, learning_rate=0.05)
     model.compile(optimizer, _loss())
     return model, optimizer
 
@@ -135,6 +137,38 @@ def test_checkpoint_restores_optimizer_and_privatizer_state(tmp_path):
   assert int(resumed_optimizer.dp_steps.numpy()) == 4
   for a, b in zip(uninterrupted, resumed.get_weights()):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize('noise_seed', [None, 7])
+def test_a_rollback_never_draws_the_same_noise_twice(tmp_path, noise_seed):
+  # Restore a checkpoint and take the same step again: if the noise repeated,
+  # the difference of the two releases would be the difference of the data,
+  # noise-free. With zero per-example gradients each update is pure noise:
+  # the two must be independent draws, so their difference has sqrt(2) times
+  # the std of one (two-sided), and is never zero.
+  lr, z, c, batch = 0.1, 1.3, 0.8, 8
+  tf.keras.utils.set_random_seed(1)
+  model = tf.keras.Sequential([tf.keras.layers.Dense(1000, input_shape=(100,))])
+  optimizer = tfdpx.keras.DPSGD(privatizer=gaussian(c, z),
+                                expected_batch_size=batch, learning_rate=lr,
+                                noise_seed=noise_seed)
+  model.compile(optimizer, _ZeroLoss(reduction=NONE))
+  x, y = np.ones((batch, 100), 'float32'), np.zeros(batch)
+  model.fit(x, y, batch_size=batch, verbose=0)
+  checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+  path = checkpoint.save(str(tmp_path / 'ckpt'))
+  before = np.concatenate([w.ravel() for w in model.get_weights()])
+  releases = []
+  for _ in range(2):
+    checkpoint.restore(path)
+    assert int(optimizer.dp_steps.numpy()) == 1
+    model.fit(x, y, batch_size=batch, verbose=0)
+    releases.append(
+        np.concatenate([w.ravel() for w in model.get_weights()]) - before)
+  assert int(optimizer.dp_steps.numpy()) == 2
+  expected = lr * z * c / batch
+  assert stats.std_matches(releases[0], expected)
+  assert stats.std_matches(releases[1] - releases[0], np.sqrt(2) * expected)
 
 
 def test_config_round_trips_with_the_privacy_arguments():

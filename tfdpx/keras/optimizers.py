@@ -127,7 +127,7 @@ class DPOptimizerMixin:
     self._privatizer = privatizer
     self._expected_batch_size = expected_batch_size
     self._noise_seed = None if noise_seed is None else int(noise_seed)
-    self._secret = _secret_seed() if noise_seed is None else int(noise_seed)
+    self._noise_key = None
     self._dp_state_vars = None
     self._dp_state_structure = None
     self._dp_steps = None
@@ -192,6 +192,41 @@ class DPOptimizerMixin:
         self._dp_state_vars.append(variable)
         self._weights.append(variable)
     _ = self.dp_steps
+
+  def _next_noise_key(self) -> tf.Tensor:
+    """The key of this step's noise, `[secret, release counter]`; advances it.
+
+    Keys never repeat. The secret is 63 bits of OS entropy drawn when the
+    variables are created (or the known `noise_seed`); the counter counts
+    this optimizer's releases and only increases. Neither variable is tracked
+    by checkpoints or saved models: an optimizer restored to an earlier step
+    keeps counting from its own releases, and a new process draws a new
+    secret, so a rollback or a restart never draws the noise of an earlier
+    release again (with a known `noise_seed` a new process starts its counter
+    at 0 again: such runs are not private anyway).
+
+    Under `tf.distribute` both are mirrored variables: MirroredStrategy gives
+    every replica the primary's initial value, and MultiWorkerMirroredStrategy
+    broadcasts the chief's, so every replica of every worker draws the same
+    noise for the same all-reduced sum.
+    """
+    if self._noise_key is None:
+      secret = (_secret_seed() if self._noise_seed is None
+                else self._noise_seed)
+      with tf.init_scope():
+        # Plain tf.Variables, not add_weight: kept out of self._weights and
+        # of every checkpoint.
+        self._noise_key = [
+            tf.Variable(tf.constant(value, tf.int64), trainable=False,
+                        name=name,
+                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            for name, value in (('noise_secret', secret),
+                                ('noise_counter', 0))]
+    secret, counter = self._noise_key
+    key = tf.stack([secret.read_value(), counter.read_value()])
+    with tf.control_dependencies([key]):
+      counter.assign_add(1)
+    return key
 
   @property
   def clipped_sum_norm(self) -> Optional[float]:
@@ -260,9 +295,7 @@ class DPOptimizerMixin:
     self._was_dp_gradients_called = True
     state = tf.nest.pack_sequence_as(
         self._dp_state_structure, [v.read_value() for v in self._dp_state_vars])
-    step = self.dp_steps.read_value()
-    seed = tf.stack([tf.constant(self._secret, tf.int64), step])
-    noisy_sum, new_state = update(state, seed)
+    noisy_sum, new_state = update(state, self._next_noise_key())
     # The updates wait for the noisy sum, which depends on the data: a step
     # that fails for want of data (the end of a dataset of unknown length)
     # must not advance the state or the step count.
