@@ -185,10 +185,24 @@ def test_config_round_trips_with_the_privacy_arguments():
   assert deserialized.get_config() == optimizer.get_config()
 
 
-def test_secret_seed_stays_out_of_the_config():
+def test_secret_seed_stays_out_of_the_config_and_checkpoints(tmp_path):
   optimizer = tfdpx.keras.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
                                 expected_batch_size=8)
   assert optimizer.get_config()['noise_seed'] is None
+  assert not optimizer.noise_seed_is_known
+  model = _mlp()
+  model.compile(optimizer, _loss())
+  x, y = _data(n=8)
+  model.fit(x, y, batch_size=8, verbose=0)
+  secret = int(optimizer._noise_key[0].numpy())  # pylint: disable=protected-access
+  path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(
+      str(tmp_path / 'ckpt'))
+  reader = tf.train.load_checkpoint(path)
+  for name, _ in tf.train.list_variables(path):
+    value = np.asarray(reader.get_tensor(name))
+    assert not (value.dtype == np.int64 and np.any(value == secret)), name
+  assert all(not any(v is k for k in optimizer._noise_key)  # pylint: disable=protected-access
+             for v in optimizer.weights)
 
 
 def test_is_a_tensorflow_privacy_optimizer():
