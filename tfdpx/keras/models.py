@@ -16,12 +16,17 @@ import tensorflow as tf
 from keras.src.engine import compile_utils
 from keras.src.engine import functional as functional_lib
 from keras.src.engine import training as training_lib
+from keras.src.optimizers.legacy import optimizer_v2
+from keras.src.saving import serialization_lib
 from keras.src.utils import losses_utils
 
 from tfdpx import per_example
 from tfdpx.keras import optimizers
 
 DEFAULT_CHUNK_SIZE = 128
+
+# Keys of the DP optimizer's weights among the model's own `.keras` variables.
+_OPTIMIZER_KEY = 'tfdpx_optimizer_{}'
 
 _MIXING_LAYERS = (tf.keras.layers.BatchNormalization,
                   tf.keras.layers.experimental.SyncBatchNormalization)
@@ -186,6 +191,43 @@ class _PrivateTraining:
         engine.get('use_layer_rules', True), engine.get('fast_clipping', True))
     return model
 
+  # --- Saving: the DP optimizer's state is the privacy ledger ----------------
+  # Keras 2.15 writes no variables of a legacy (OptimizerV2) optimizer into
+  # a .keras file, and gives a SavedModel's back only as a RestoredOptimizer
+  # that is then replaced by a fresh one at compile. Both would restart the
+  # step count behind epsilon at 0, so models made private carry the state.
+
+  def save_own_variables(self, store):
+    super().save_own_variables(store)
+    if isinstance(self.optimizer, optimizers.DPOptimizerMixin):
+      for i, value in enumerate(self.optimizer.get_weights()):
+        store[_OPTIMIZER_KEY.format(i)] = value
+
+  def load_own_variables(self, store):
+    saved = []
+    while _OPTIMIZER_KEY.format(len(saved)) in store.keys():
+      saved.append(np.asarray(store[_OPTIMIZER_KEY.format(len(saved))]))
+    own = {k: store[k] for k in store.keys()
+           if k not in {_OPTIMIZER_KEY.format(i) for i in range(len(saved))}}
+    super().load_own_variables(own)
+    if saved:
+      # pylint: disable-next=protected-access
+      self.optimizer._create_all_weights(self.trainable_variables)
+      self.optimizer.set_weights(saved)
+
+  def compile(self, *args, **kwargs):  # pylint: disable=arguments-differ
+    restored = getattr(self, 'optimizer', None)
+    super().compile(*args, **kwargs)
+    if (isinstance(restored, optimizer_v2.RestoredOptimizer) and
+        isinstance(self.optimizer, optimizers.DPOptimizerMixin)):
+      # A SavedModel's optimizer variables, as Keras 2.15 loads them.
+      self.optimizer.restore_state_from(restored, self.trainable_variables)
+
+  def compile_from_config(self, config):
+    # Keras skips compiling a model whose class overrides `compile` when it
+    # loads a .keras file; this one compiles as tf.keras.Model does.
+    self.compile(**serialization_lib.deserialize_keras_object(config))
+
 
 @tf.keras.saving.register_keras_serializable(package='tfdpx')
 class DPModel(_PrivateTraining, tf.keras.Model):
@@ -245,6 +287,16 @@ class DPModel(_PrivateTraining, tf.keras.Model):
 class DPFunctional(DPModel, functional_lib.Functional):
   """A functional `DPModel`: `DPModel(inputs, outputs)` builds one."""
 
+  def __init__(self, inputs, outputs, name=None, trainable=True, **engine):
+    """Args:
+      inputs, outputs, name, trainable: as `tf.keras.Model(inputs, outputs)`;
+        Keras's constructor signature, so that Keras saves and revives the
+        layer graph (`.keras`, `.h5`, SavedModel).
+      **engine: `DPModel`'s engine arguments.
+    """
+    super().__init__(inputs, outputs, name=name, trainable=trainable,
+                     **engine)
+
 
 @tf.keras.saving.register_keras_serializable(package='tfdpx')
 class DPSequential(_PrivateTraining, tf.keras.Sequential):
@@ -266,6 +318,12 @@ class DPSequential(_PrivateTraining, tf.keras.Sequential):
     self._set_engine(chunk_size, public_data, public_chunk_size,
                      use_layer_rules, fast_clipping)
 
+
+
+# The legacy .h5 format names a model's class by its bare `__name__`, not by
+# the registered 'tfdpx>' name.
+tf.keras.utils.get_custom_objects().update(
+    {cls.__name__: cls for cls in (DPModel, DPFunctional, DPSequential)})
 
 class _Wrapped(DPModel):
   """A subclassed model made private: its `call` is one fallback unit."""

@@ -31,6 +31,10 @@ JACOBIAN_WARNING = (
     'that CNN; see benchmarks/README.md).')
 
 
+# The config key that records how many private steps a saved optimizer took.
+_SAVED_DP_STEPS = 'dp_steps_when_saved'
+
+
 def _secret_seed() -> int:
   return int.from_bytes(os.urandom(8), 'little') & 0x7FFFFFFFFFFFFFFF
 
@@ -128,6 +132,7 @@ class DPOptimizerMixin:
     self._expected_batch_size = expected_batch_size
     self._noise_seed = None if noise_seed is None else int(noise_seed)
     self._noise_key = None
+    self._saved_dp_steps = 0
     self._dp_state_vars = None
     self._dp_state_structure = None
     self._dp_steps = None
@@ -173,6 +178,16 @@ class DPOptimizerMixin:
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
       self._weights.append(self._dp_steps)
     return self._dp_steps
+
+  def _create_all_weights(self, var_list):
+    """Keras's weights, then the privatizer state and `dp_steps`.
+
+    Keras calls this before setting saved optimizer weights (`.h5`), so the
+    DP weights are created in the same order as in training and restored
+    with the others.
+    """
+    super()._create_all_weights(var_list)
+    self._create_dp_weights(var_list)
 
   def _create_dp_weights(self, var_list):
     if self._dp_state_vars is not None:
@@ -291,7 +306,9 @@ class DPOptimizerMixin:
 
   def _privatized(self, var_list, update):
     """Runs `update(state, seed)`, keeps its new state, returns the mean."""
-    self._create_dp_weights(var_list)
+    with tf.init_scope():
+      self._create_all_weights(var_list)
+    self._check_ledger_restored()
     self._was_dp_gradients_called = True
     state = tf.nest.pack_sequence_as(
         self._dp_state_structure, [v.read_value() for v in self._dp_state_vars])
@@ -349,7 +366,59 @@ class DPOptimizerMixin:
         'expected_batch_size': self._expected_batch_size,
         'noise_seed': self._noise_seed,
     })
+    if self._dp_steps is not None:
+      config[_SAVED_DP_STEPS] = int(tf.keras.backend.get_value(self._dp_steps))
+    elif self._saved_dp_steps:  # Loaded, not yet restored: keep the record.
+      config[_SAVED_DP_STEPS] = self._saved_dp_steps
     return config
+
+  @classmethod
+  def from_config(cls, config, custom_objects=None):
+    config = dict(config)
+    saved_dp_steps = config.pop(_SAVED_DP_STEPS, 0)
+    optimizer = super().from_config(config, custom_objects)
+    optimizer._saved_dp_steps = saved_dp_steps  # pylint: disable=protected-access
+    return optimizer
+
+  def restore_state_from(self, restored, var_list) -> None:
+    """Takes the step counts and privatizer state of a `restored` optimizer.
+
+    Keras 2 loads a SavedModel's optimizer as a `RestoredOptimizer` that
+    holds the saved variables and cannot train; a model made private hands
+    it here when it is compiled with a fresh DP optimizer.
+
+    Args:
+      restored: the trackable with the saved variables (by name: `iter`,
+        `dp_steps`, `dp_state_<i>`).
+      var_list: the model's trainable variables.
+    """
+    self._create_all_weights(var_list)
+    saved = restored._trackable_children()  # pylint: disable=protected-access
+    for variable in [self.iterations, self.dp_steps] + self._dp_state_vars:
+      name = variable.name.split('/')[-1].split(':')[0]
+      if name in saved:
+        variable.assign(saved[name])
+
+  def _check_ledger_restored(self):
+    """Refuses to train on from a saved config without its saved state.
+
+    A reloaded optimizer whose config records N private steps but whose
+    `dp_steps` was not restored would report the epsilon of the new steps
+    only.
+    """
+    if not self._saved_dp_steps:
+      return
+    with tf.init_scope():
+      steps = int(tf.keras.backend.get_value(self.dp_steps))
+    if steps < self._saved_dp_steps:
+      raise ValueError(
+          f'this optimizer was saved after {self._saved_dp_steps} private '
+          f'steps, but its state was not restored (dp_steps = {steps}): its '
+          'epsilon would leave out the earlier steps. Keras 2 saves no '
+          'optimizer variables of a plain model in the .keras and SavedModel '
+          'formats; save a model made private (tfdpx.keras.make_private), '
+          'use the .h5 format, or restore with tf.train.Checkpoint.')
+    self._saved_dp_steps = 0
 
 
 @tf.keras.saving.register_keras_serializable(package='tfdpx')
