@@ -92,6 +92,29 @@ def noiseless():
   return results
 
 
+def d2p2_noiseless():
+  """D2P2's projected modes: distributed vs single-device weights, no noise.
+
+  Modes O (SRHT) and C (Gaussian, project first) project the summed batch;
+  the sum must cover the global batch, not each replica's share.
+  """
+  x, y = _data(4 * GLOBAL_BATCH)
+  results = {}
+  for mode, projection, order in [('O', 'srht', 'project_first'),
+                                  ('C', 'gaussian', 'project_first'),
+                                  ('N', 'gaussian', 'noise_first')]:
+    privatizer = tfdpx.privatizers.d2p2(0.0, projection=projection,
+                                        projection_order=order,
+                                        projection_ratio=0.5)
+    for name, strategy in [
+        ('mirrored', MIRRORED),
+        ('single', tf.distribute.OneDeviceStrategy('/cpu:0'))]:
+      model, _, agree, _ = _fit(strategy, privatizer, LOSS, x, y, units=4)
+      results[f'{mode}_{name}'] = [w.numpy().tolist() for w in model.weights]
+      results[f'{mode}_{name}_replicas_agree'] = agree
+  return results
+
+
 def agree():
   """For every privatizer: do replicas hold identical weights and state?"""
   x, y = _data(3 * GLOBAL_BATCH)
@@ -106,4 +129,5 @@ def agree():
 
 if __name__ == '__main__':
   print(json.dumps({'noise': noise(), 'noise_make_private': noise(private=True),
-                    'noiseless': noiseless(), 'agree': agree()}))
+                    'noiseless': noiseless(), 'd2p2': d2p2_noiseless(),
+                    'agree': agree()}))

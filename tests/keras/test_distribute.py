@@ -46,6 +46,15 @@ def test_distributed_update_equals_single_device_update_without_noise(runs):
     assert result[engine + '_replicas_agree']
 
 
+@pytest.mark.parametrize('mode', ['O', 'C', 'N'])
+def test_d2p2_projected_update_under_two_replicas_equals_single_device(runs,
+                                                                     mode):
+  result = runs['d2p2']
+  for a, b in zip(result[f'{mode}_mirrored'], result[f'{mode}_single']):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert result[f'{mode}_mirrored_replicas_agree']
+
+
 def test_replicas_agree_for_every_privatizer(runs):
   assert {'gaussian', 'dpdr', 'geodp_sound', 'sparsified(dpdr)'} <= set(
       runs['agree'])

@@ -315,7 +315,7 @@ class D2P2(core.Privatizer):
       out = [self._round_trip(index, r, step)
              for index, r in enumerate(released)]
     else:
-      sums = [tf.reduce_sum(g, axis=0) for g in normalized]
+      sums = noise.batch_sum(normalized)  # All-reduced under tf.distribute.
       delta = self.sensitivity(shapes, step)
       projected = [self._project(index, s, step)
                    for index, s in enumerate(sums)]
