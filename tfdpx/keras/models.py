@@ -20,40 +20,9 @@ from keras.src.utils import losses_utils
 
 from tfdpx import per_example
 from tfdpx.keras import optimizers
+from tfdpx.keras import validation
 
 DEFAULT_CHUNK_SIZE = 128
-
-_MIXING_LAYERS = (tf.keras.layers.BatchNormalization,
-                  tf.keras.layers.experimental.SyncBatchNormalization)
-
-
-def check_private_compatible(model: tf.keras.layers.Layer) -> None:
-  """Refuses layers that break per-example gradients.
-
-  Raises:
-    ValueError: for a trainable BatchNormalization layer (it normalizes each
-      example with statistics of the whole batch, so one example's gradient
-      depends on the others and clipping no longer bounds its influence) and
-      for an activity regularizer (a data-dependent loss outside the clip).
-  """
-  layers = [model] + [m for m in model.submodules
-                      if isinstance(m, tf.keras.layers.Layer)]
-  for layer in layers:
-    if isinstance(layer, _MIXING_LAYERS) and layer.trainable:
-      raise ValueError(
-          f'layer {layer.name!r} ({type(layer).__name__}) mixes the examples '
-          'of a batch in training mode: each example is normalized with the '
-          'batch statistics, so its gradient depends on the other examples '
-          'and per-example clipping no longer bounds its influence. Use '
-          'tf.keras.layers.GroupNormalization or LayerNormalization instead, '
-          'or freeze it (layer.trainable = False runs it in inference mode).')
-    if getattr(layer, 'activity_regularizer', None) is not None:
-      raise ValueError(
-          f'layer {layer.name!r} has an activity_regularizer: a loss that '
-          'depends on the data, which models made private add outside the '
-          'clipped per-example sum. Add the penalty to the per-example loss '
-          'instead.')
-
 
 def per_example_loss(model: tf.keras.Model, y_true, y_pred,
                      sample_weight=None) -> tf.Tensor:
@@ -114,6 +83,7 @@ class _PrivateTraining:
     self._dp_public_chunk_size = int(public_chunk_size or chunk_size)
     self._dp_use_layer_rules = bool(use_layer_rules)
     self._dp_fast_clipping = bool(fast_clipping)
+    self._dp_checked_eagerly = False
 
   @property
   def public_data(self) -> Optional[Tuple[Any, Any]]:
@@ -130,7 +100,12 @@ class _PrivateTraining:
           f'{type(optimizer).__name__}')
     if not self.built:  # Creates the variables without running the model.
       self.build(tf.nest.map_structure(lambda t: t.shape, x))
-    check_private_compatible(self)
+    # Before the forward pass, which in eager mode would already write. The
+    # trace (once per traced step; eager steps: once) finds layers writing
+    # variables from the data; the layer checks are cheap and always run.
+    trace = not (tf.executing_eagerly() and self._dp_checked_eagerly)
+    validation.check_private_compatible(self, x if trace else None)
+    self._dp_checked_eagerly = tf.executing_eagerly()
     var_list = self.trainable_variables
     l2_norm_clip = None
     if self._dp_fast_clipping and self._dp_public_data is None:
@@ -306,25 +281,32 @@ def make_private(model: tf.keras.Model, *,
     A `DPModel` or `DPSequential`.
 
   Raises:
-    ValueError: for a trainable BatchNormalization layer or an activity
-      regularizer (see `check_private_compatible`), or a bad argument.
+    ValueError: for a layer that mixes the examples of a batch, a stateful
+      layer, an activity regularizer or a layer that writes a variable from
+      the data (`tfdpx.keras.check_private_compatible`; layers not built yet
+      are checked at the first step), or a bad argument.
 
   Privacy:
     Each example's gradient is computed from that example alone as long as no
-    layer mixes the examples of a batch (BatchNormalization is refused; a
-    custom layer that mixes examples is not detected). The gradient of
+    layer mixes the examples of a batch (a trainable BatchNormalization and
+    normalizations over the batch axis are refused; a custom layer that mixes
+    examples is not detected). No layer may carry data from one step to the
+    next or into the saved model: stateful layers and layers that write a
+    variable from the data are refused. The gradient of
     `model.losses` (weight regularizers) is data-independent and added after
     the noise, outside the clipped sum; a loss added with `add_loss` that
     depends on the data is refused at the first step. Public data never
     enters the private sum.
   """
-  check_private_compatible(model)
+  functional = getattr(model, '_is_graph_network', False)
+  validation.check_private_compatible(model,
+                                      model.inputs if functional else None)
   engine = dict(chunk_size=chunk_size, public_data=public_data,
                 public_chunk_size=public_chunk_size,
                 use_layer_rules=use_layer_rules, fast_clipping=fast_clipping)
   if isinstance(model, tf.keras.Sequential) and not model.built:
     return DPSequential(model.layers, name=model.name + '_private', **engine)
-  if getattr(model, '_is_graph_network', False):
+  if functional:
     return DPModel(model.inputs, model.outputs, name=model.name + '_private',
                    **engine)
   return _Wrapped(model, **engine)
