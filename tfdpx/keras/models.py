@@ -63,7 +63,7 @@ class _PrivateTraining:
   """The engine settings and training step shared by the model classes."""
 
   def _set_engine(self, chunk_size, public_data, public_chunk_size,
-                  use_layer_rules, fast_clipping):
+                  use_layer_rules, fast_clipping, release_training_metrics):
     if int(chunk_size) != chunk_size or chunk_size < 1:
       raise ValueError(
           f'chunk_size must be a positive integer, got {chunk_size!r}')
@@ -83,6 +83,7 @@ class _PrivateTraining:
     self._dp_public_chunk_size = int(public_chunk_size or chunk_size)
     self._dp_use_layer_rules = bool(use_layer_rules)
     self._dp_fast_clipping = bool(fast_clipping)
+    self._dp_release_training_metrics = bool(release_training_metrics)
     self._dp_checked_eagerly = False
 
   @property
@@ -123,6 +124,8 @@ class _PrivateTraining:
       # gradient is added after the noise, outside the clipped sum.
       grads = [g + r for g, r in zip(grads, result.regularization_grads)]
     optimizer.apply_gradients(zip(grads, var_list))
+    if not self._dp_release_training_metrics:
+      return {}  # Nothing computed from the private batch.
     regularization = None
     if result.regularization_loss is not None:
       # Per example, as Keras's container adds it to unreduced losses.
@@ -147,18 +150,21 @@ class _PrivateTraining:
   def get_config(self):
     return {**super().get_config(), 'chunk_size': self._dp_chunk_size,
             'use_layer_rules': self._dp_use_layer_rules,
-            'fast_clipping': self._dp_fast_clipping}
+            'fast_clipping': self._dp_fast_clipping,
+            'release_training_metrics': self._dp_release_training_metrics}
 
   @classmethod
   def from_config(cls, config, custom_objects=None):
     config = dict(config)
     engine = {k: config.pop(k)
-              for k in ('chunk_size', 'use_layer_rules', 'fast_clipping')
+              for k in ('chunk_size', 'use_layer_rules', 'fast_clipping',
+                        'release_training_metrics')
               if k in config}
     model = super().from_config(config, custom_objects)
     model._set_engine(  # pylint: disable=protected-access
         engine.get('chunk_size', DEFAULT_CHUNK_SIZE), None, None,
-        engine.get('use_layer_rules', True), engine.get('fast_clipping', True))
+        engine.get('use_layer_rules', True), engine.get('fast_clipping', True),
+        engine.get('release_training_metrics', True))
     return model
 
 
@@ -184,7 +190,7 @@ class DPModel(_PrivateTraining, tf.keras.Model):
   def __init__(self, *args, chunk_size: int = DEFAULT_CHUNK_SIZE,
                public_data=None, public_chunk_size: Optional[int] = None,
                use_layer_rules: bool = True, fast_clipping: bool = True,
-               **kwargs):
+               release_training_metrics: bool = True, **kwargs):
     """Args:
       *args: as `tf.keras.Model`.
       chunk_size: examples per `tf.vectorized_map` call of the fallback (and
@@ -206,6 +212,12 @@ class DPModel(_PrivateTraining, tf.keras.Model):
         less memory, and much faster for large Dense layers. The result is
         the same up to float rounding. False always materializes (for
         comparisons).
+      release_training_metrics: False makes `train_step` return nothing
+        computed from the private batch (no loss, no compiled metrics), so
+        `fit`'s logs, progress bar and History hold only what callbacks add
+        (e.g. `tfdpx.keras.PrivacyCallback`'s epsilon). True (Keras's
+        behaviour) logs the loss and metrics of each private training batch,
+        which the reported epsilon does not cover.
       **kwargs: as `tf.keras.Model`.
 
     Raises:
@@ -213,7 +225,7 @@ class DPModel(_PrivateTraining, tf.keras.Model):
     """
     super().__init__(*args, **kwargs)
     self._set_engine(chunk_size, public_data, public_chunk_size,
-                     use_layer_rules, fast_clipping)
+                     use_layer_rules, fast_clipping, release_training_metrics)
 
 
 @tf.keras.saving.register_keras_serializable(package='tfdpx')
@@ -228,18 +240,19 @@ class DPSequential(_PrivateTraining, tf.keras.Sequential):
   def __init__(self, layers=None, name=None, *,
                chunk_size: int = DEFAULT_CHUNK_SIZE, public_data=None,
                public_chunk_size: Optional[int] = None,
-               use_layer_rules: bool = True, fast_clipping: bool = True):
+               use_layer_rules: bool = True, fast_clipping: bool = True,
+               release_training_metrics: bool = True):
     """Args:
       layers, name: as `tf.keras.Sequential`.
       chunk_size, public_data, public_chunk_size, use_layer_rules,
-        fast_clipping: as `DPModel`.
+        fast_clipping, release_training_metrics: as `DPModel`.
 
     Raises:
       ValueError: naming the argument that is invalid.
     """
     super().__init__(layers, name)
     self._set_engine(chunk_size, public_data, public_chunk_size,
-                     use_layer_rules, fast_clipping)
+                     use_layer_rules, fast_clipping, release_training_metrics)
 
 
 class _Wrapped(DPModel):
@@ -257,7 +270,8 @@ def make_private(model: tf.keras.Model, *,
                  chunk_size: int = DEFAULT_CHUNK_SIZE,
                  public_data=None, public_chunk_size: Optional[int] = None,
                  use_layer_rules: bool = True,
-                 fast_clipping: bool = True) -> tf.keras.Model:
+                 fast_clipping: bool = True,
+                 release_training_metrics: bool = True) -> tf.keras.Model:
   """A model sharing `model`'s layers and weights, trained with fast DP steps.
 
   Compile the returned model with a tfdpx optimizer (`tfdpx.keras.DPSGD`, ...)
@@ -275,7 +289,7 @@ def make_private(model: tf.keras.Model, *,
       Sequential models get the per-layer rules; a subclassed model is one
       fallback unit.
     chunk_size, public_data, public_chunk_size, use_layer_rules,
-      fast_clipping: see `DPModel`.
+      fast_clipping, release_training_metrics: see `DPModel`.
 
   Returns:
     A `DPModel` or `DPSequential`.
@@ -297,13 +311,22 @@ def make_private(model: tf.keras.Model, *,
     the noise, outside the clipped sum; a loss added with `add_loss` that
     depends on the data is refused at the first step. Public data never
     enters the private sum.
+
+    Epsilon covers the model's weights (and the optimizer's state), not what
+    Keras logs: by default `fit` reports the loss and metrics of every private
+    training batch (progress bar, History, callbacks such as TensorBoard),
+    functions of the batch that are neither clipped nor noised. With
+    `release_training_metrics=False` the training step returns none of them;
+    measure accuracy with `evaluate` on held-out data that is not part of the
+    private training set.
   """
   functional = getattr(model, '_is_graph_network', False)
   validation.check_private_compatible(model,
                                       model.inputs if functional else None)
   engine = dict(chunk_size=chunk_size, public_data=public_data,
                 public_chunk_size=public_chunk_size,
-                use_layer_rules=use_layer_rules, fast_clipping=fast_clipping)
+                use_layer_rules=use_layer_rules, fast_clipping=fast_clipping,
+                release_training_metrics=release_training_metrics)
   if isinstance(model, tf.keras.Sequential) and not model.built:
     return DPSequential(model.layers, name=model.name + '_private', **engine)
   if functional:
