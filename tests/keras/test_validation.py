@@ -209,6 +209,17 @@ def test_weight_regularizers_are_refused_for_the_compile_path_by_name():
   _fit(_compile(tfdpx.keras.make_private(model)))
 
 
+def test_the_compile_path_accepts_a_per_example_add_loss():
+  # Keras adds a [B] term to each example's loss: inside that example's clip.
+  inputs = tf.keras.Input((4,))
+  hidden = L.Dense(3)(inputs)
+  model = tf.keras.Model(inputs, L.Dense(2)(hidden))
+  model.add_loss(0.1 * tf.reduce_sum(tf.square(hidden), axis=1))
+  tfdpx.keras.check_private_compatible(model, model.inputs, compile_path=True)
+  _fit(_compile(model))
+  assert model.optimizer.dp_steps.numpy() == 1
+
+
 def test_check_private_compatible_traces_only_with_inputs():
   model = _sequential(_MeanWriter(name='writer'), L.Dense(2))
   tfdpx.keras.check_private_compatible(model)  # Layer configurations only.

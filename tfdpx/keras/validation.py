@@ -22,10 +22,11 @@ Refused:
   of the batch that no clip bounds, and checkpoints and the saved model release
   it. Found by tracing one training forward pass and following every write to a
   model variable back to the inputs.
-- On the compile path only, `model.losses` (weight regularizers, `add_loss`):
-  Keras adds them to the per-example loss vector, which it cannot do (in Keras
-  2.15 its loss container fails with a shape error before tfdpx runs).
-  `make_private` supports weight regularizers.
+- On the compile path only, terms of `model.losses` that are not one value
+  per example (weight regularizers, scalar `add_loss` terms): Keras adds them
+  to the per-example loss vector, which it cannot do (in Keras 2.15 its loss
+  container fails with a shape error before tfdpx runs). `make_private`
+  supports weight regularizers.
 
 Not detected: a custom layer that mixes examples in its computation (e.g.
 subtracts the batch mean).
@@ -72,14 +73,16 @@ def check_private_compatible(model: tf.keras.layers.Layer, inputs: Any = None,
       functional model's `model.inputs`) with which to trace one training
       forward pass, looking for layers that write a variable from the data.
       Without it only the layers' configurations are checked.
-    compile_path: also refuse `model.losses`, which the compile path cannot
-      add (see the module docstring).
+    compile_path: also refuse terms of `model.losses` that are not one value
+      per example, which the compile path cannot add (see the module
+      docstring).
 
   Raises:
     ValueError: naming the layer and the fix, for a layer that mixes the
       examples of a batch, a stateful layer, an activity regularizer, a layer
       that writes a model variable from the data in training, or (with
-      `compile_path`) a layer with a weight regularizer or `add_loss` term.
+      `compile_path`) a layer with a weight regularizer or a scalar
+      `add_loss` term.
   """
   layers = _layers(model)
   for layer in layers:
@@ -143,17 +146,25 @@ def _check_layer(layer) -> None:
         'Add the penalty to the per-example loss instead.')
 
 
+def _not_per_example(layer) -> bool:
+  """True if one of `layer.losses` is not one value per example."""
+  return any(loss.shape.rank != 1 for loss in layer.losses)
+
+
 def _check_losses(model, layers) -> None:
-  if not model.losses:
+  # Keras adds model.losses to the per-example loss vector `[B]`: a term of
+  # shape [B] joins each example's loss (inside its clip); any other, e.g. a
+  # scalar weight regularizer, fails in Keras's loss container.
+  if not _not_per_example(model):
     return
-  owners = [layer for layer in layers[1:] if layer.losses] or [model]
-  owner = min(owners, key=lambda layer: len(layer.losses))
+  owners = [layer for layer in layers[1:] if _not_per_example(layer)]
+  owner = min(owners or [model], key=lambda layer: len(layer.losses))
   raise ValueError(
-      f'layer {owner.name!r} adds a loss to model.losses (a weight '
-      'regularizer or add_loss). The compile path cannot add it to the '
-      'per-example losses (Keras 2.15 fails with an AddN shape error). Train '
-      'tfdpx.keras.make_private(model) instead: it adds the gradient of '
-      'weight regularizers after the noise.')
+      f'layer {owner.name!r} adds a loss to model.losses that is not one '
+      'value per example (a weight regularizer or add_loss). The compile path '
+      'cannot add it to the per-example losses (Keras 2.15 fails with an AddN '
+      'shape error). Train tfdpx.keras.make_private(model) instead: it adds '
+      'the gradient of weight regularizers after the noise.')
 
 
 def _spec(value) -> tf.TypeSpec:
