@@ -82,6 +82,10 @@ REFUSED = {
         lambda: _sequential(L.GroupNormalization(2, axis=0, name='norm'),
                             L.Dense(2), batch_size=BATCH),
         "'norm'.*mixes the examples.*over the features only"),
+    'unit_norm_over_batch': (
+        lambda: _sequential(L.Dense(3), L.UnitNormalization(0, name='norm'),
+                            L.Dense(2)),
+        "'norm'.*mixes the examples.*over the features only"),
     'stateful_rnn': (
         lambda: _sequential(L.LSTM(3, stateful=True, name='rnn'), L.Dense(2),
                             input_shape=(5, 4), batch_size=BATCH),

@@ -98,23 +98,24 @@ def _layers(model) -> List[tf.keras.layers.Layer]:
                     if isinstance(m, tf.keras.layers.Layer)]
 
 
-def _axes(axis, rank: Optional[int]) -> List[int]:
-  """Non-negative axes (negative ones only where the rank is known)."""
+def _includes_batch_axis(axis, rank: Optional[int]) -> bool:
+  """True if `axis` (an int or a list) includes axis 0 of a `rank` input."""
   axes = list(axis) if isinstance(axis, (list, tuple)) else [axis]
-  return [a % rank if rank else a for a in axes]
+  return 0 in [a % rank if rank else a for a in axes]
 
 
 def _normalizes_over_batch(layer) -> bool:
   """True for a normalization layer that normalizes over the batch axis."""
-  spec = layer.input_spec
-  rank = getattr(spec, 'ndim', None) if layer.built else None
   if isinstance(layer, batch_normalization.BatchNormalizationBase):
     return layer.trainable  # Frozen, Keras runs it in inference mode.
   if isinstance(layer, tf.keras.layers.GroupNormalization):
-    return 0 in _axes(layer.axis, rank)  # The axis split into groups.
+    # Its axis (split into groups) stays negative; the rank comes with build.
+    rank = layer.input_spec.ndim if layer.built else None
+    return _includes_batch_axis(layer.axis, rank)
   if isinstance(layer, (tf.keras.layers.LayerNormalization,
                         tf.keras.layers.UnitNormalization)):
-    return 0 in _axes(layer.axis, rank)  # The axes normalized over.
+    # The axes normalized over; build makes them non-negative.
+    return _includes_batch_axis(layer.axis, None)
   return False
 
 
