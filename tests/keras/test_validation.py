@@ -170,6 +170,17 @@ def test_make_private_refuses_a_writer_in_a_subclassed_model_before_it_writes(
   assert inner.layers[0].stored.numpy() == 0.0
 
 
+@pytest.mark.parametrize('name', sorted(n for n in REFUSED if 'writes' in n))
+def test_the_compile_path_refuses_a_writer_in_a_subclassed_model(name):
+  make, match = REFUSED[name]
+  inner = make()
+  x, y = _data(inner)
+  model = _compile(_Subclassed(inner))
+  with pytest.raises(ValueError, match=match):
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+  assert inner.layers[0].stored.numpy() == 0.0  # Refused while tracing.
+
+
 ACCEPTED = {
     'keras_layers': lambda: _sequential(
         L.Reshape((2, 2, 1)), L.Conv2D(2, 2, padding='same'),

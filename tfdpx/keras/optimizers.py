@@ -143,7 +143,7 @@ class DPOptimizerMixin:
     self._dp_steps = None
     self._warned_jacobian = False
     self._warned_no_model = False
-    self._model_checked_eagerly = False
+    self._eagerly_checked = None  # id() of the model checked in eager mode.
 
   # --- privacy ---------------------------------------------------------------
 
@@ -305,7 +305,8 @@ class DPOptimizerMixin:
         for value in frame.f_locals.values():
           if isinstance(value, tf.keras.Model):
             optimizer = getattr(value, 'optimizer', None)
-            if self in (optimizer, getattr(optimizer, 'inner_optimizer', None)):
+            if (optimizer is self or
+                getattr(optimizer, 'inner_optimizer', None) is self):
               return value
         frame = frame.f_back
       return None
@@ -314,18 +315,18 @@ class DPOptimizerMixin:
 
   def _check_model(self):
     """Runs the model validation of every DP path on the compile path."""
-    if tf.executing_eagerly() and self._model_checked_eagerly:
-      return  # Eager steps: once. Traced steps: at every trace.
     model = self._calling_model()
     if model is None:
       if not self._warned_no_model:
         self._warned_no_model = True
         _LOG.warning(NO_MODEL_WARNING)
       return
+    if tf.executing_eagerly() and self._eagerly_checked == id(model):
+      return  # Eager steps: once per model. Traced steps: at every trace.
     spec = model.save_spec()  # Set by the forward pass of this step.
     validation.check_private_compatible(
         model, spec[0][0] if spec and spec[0] else None, compile_path=True)
-    self._model_checked_eagerly = tf.executing_eagerly()
+    self._eagerly_checked = id(model) if tf.executing_eagerly() else None
 
   def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
     """Per-record gradients by the Jacobian, then `privatize`.
