@@ -312,10 +312,11 @@ def make_private(model: tf.keras.Model, *,
     depends on the data is refused at the first step. Public data never
     enters the private sum.
 
-    Epsilon covers the model's weights (and the optimizer's state), not what
-    Keras logs: by default `fit` reports the loss and metrics of every private
-    training batch (progress bar, History, callbacks such as TensorBoard),
-    functions of the batch that are neither clipped nor noised. With
+    Epsilon bounds what the noisy updates release (the weights, the
+    optimizer's state), not what Keras logs: by default `fit` reports the loss
+    and metrics of every private training batch (progress bar, History,
+    callbacks such as TensorBoard), functions of the batch that are neither
+    clipped nor noised. With
     `release_training_metrics=False` the training step returns none of them;
     measure accuracy with `evaluate` on held-out data that is not part of the
     private training set.
