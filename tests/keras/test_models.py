@@ -260,3 +260,30 @@ def test_a_privatizer_needing_public_data_fails_without_it():
 def test_bad_engine_arguments_are_refused_by_name(kwargs, match):
   with pytest.raises(ValueError, match=match):
     tfdpx.keras.make_private(_cnn(), **kwargs)
+
+
+@pytest.mark.parametrize('release', [True, False])
+def test_training_metrics_are_released_only_if_asked(release):
+  x, y = _data()
+  private = tfdpx.keras.make_private(_cnn(), release_training_metrics=release)
+  private.compile(_sgd(), _loss(), metrics=['accuracy'])
+  privacy = tfdpx.keras.PrivacyCallback(sampling_probability=0.5, delta=1e-5)
+  logs = []
+  batch_logs = tf.keras.callbacks.LambdaCallback(
+      on_train_batch_end=lambda batch, batch_log: logs.append(dict(batch_log)))
+  start = private.get_weights()
+  history = private.fit(x, y, batch_size=6, epochs=2, verbose=0,
+                        validation_data=_data(n=6, seed=1),
+                        callbacks=[privacy, batch_logs])
+  assert private.optimizer.dp_steps.numpy() == 4
+  assert not np.allclose(private.get_weights()[0], start[0])
+  # Validation metrics (held-out data) and epsilon are always there.
+  assert {'val_loss', 'val_accuracy', 'epsilon'} <= set(history.history)
+  released = {'loss', 'accuracy'} & set(history.history)
+  assert released == ({'loss', 'accuracy'} if release else set())
+  assert all(bool(log) == release for log in logs)
+  assert private.get_config()['release_training_metrics'] == release
+  sequential = tfdpx.keras.DPSequential([L.Dense(2)],
+                                        release_training_metrics=release)
+  rebuilt = tfdpx.keras.DPSequential.from_config(sequential.get_config())
+  assert rebuilt.get_config()['release_training_metrics'] == release

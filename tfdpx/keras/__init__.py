@@ -10,3 +10,4 @@ from tfdpx.keras.models import DPFunctional
 from tfdpx.keras.models import DPModel
 from tfdpx.keras.models import DPSequential
 from tfdpx.keras.models import make_private
+from tfdpx.keras.validation import check_private_compatible

@@ -22,42 +22,12 @@ from keras.src.utils import losses_utils
 
 from tfdpx import per_example
 from tfdpx.keras import optimizers
+from tfdpx.keras import validation
 
 DEFAULT_CHUNK_SIZE = 128
 
 # Keys of the DP optimizer's weights among the model's own `.keras` variables.
 _OPTIMIZER_KEY = 'tfdpx_optimizer_{}'
-
-_MIXING_LAYERS = (tf.keras.layers.BatchNormalization,
-                  tf.keras.layers.experimental.SyncBatchNormalization)
-
-
-def check_private_compatible(model: tf.keras.layers.Layer) -> None:
-  """Refuses layers that break per-example gradients.
-
-  Raises:
-    ValueError: for a trainable BatchNormalization layer (it normalizes each
-      example with statistics of the whole batch, so one example's gradient
-      depends on the others and clipping no longer bounds its influence) and
-      for an activity regularizer (a data-dependent loss outside the clip).
-  """
-  layers = [model] + [m for m in model.submodules
-                      if isinstance(m, tf.keras.layers.Layer)]
-  for layer in layers:
-    if isinstance(layer, _MIXING_LAYERS) and layer.trainable:
-      raise ValueError(
-          f'layer {layer.name!r} ({type(layer).__name__}) mixes the examples '
-          'of a batch in training mode: each example is normalized with the '
-          'batch statistics, so its gradient depends on the other examples '
-          'and per-example clipping no longer bounds its influence. Use '
-          'tf.keras.layers.GroupNormalization or LayerNormalization instead, '
-          'or freeze it (layer.trainable = False runs it in inference mode).')
-    if getattr(layer, 'activity_regularizer', None) is not None:
-      raise ValueError(
-          f'layer {layer.name!r} has an activity_regularizer: a loss that '
-          'depends on the data, which models made private add outside the '
-          'clipped per-example sum. Add the penalty to the per-example loss '
-          'instead.')
 
 
 def per_example_loss(model: tf.keras.Model, y_true, y_pred,
@@ -99,7 +69,7 @@ class _PrivateTraining:
   """The engine settings and training step shared by the model classes."""
 
   def _set_engine(self, chunk_size, public_data, public_chunk_size,
-                  use_layer_rules, fast_clipping):
+                  use_layer_rules, fast_clipping, release_training_metrics):
     if int(chunk_size) != chunk_size or chunk_size < 1:
       raise ValueError(
           f'chunk_size must be a positive integer, got {chunk_size!r}')
@@ -119,6 +89,8 @@ class _PrivateTraining:
     self._dp_public_chunk_size = int(public_chunk_size or chunk_size)
     self._dp_use_layer_rules = bool(use_layer_rules)
     self._dp_fast_clipping = bool(fast_clipping)
+    self._dp_release_training_metrics = bool(release_training_metrics)
+    self._dp_checked_eagerly = False
 
   @property
   def public_data(self) -> Optional[Tuple[Any, Any]]:
@@ -135,7 +107,12 @@ class _PrivateTraining:
           f'{type(optimizer).__name__}')
     if not self.built:  # Creates the variables without running the model.
       self.build(tf.nest.map_structure(lambda t: t.shape, x))
-    check_private_compatible(self)
+    # Before the forward pass, which in eager mode would already write. The
+    # trace (once per traced step; eager steps: once) finds layers writing
+    # variables from the data; the layer checks are cheap and always run.
+    trace = not (tf.executing_eagerly() and self._dp_checked_eagerly)
+    validation.check_private_compatible(self, x if trace else None)
+    self._dp_checked_eagerly = tf.executing_eagerly()
     var_list = self.trainable_variables
     l2_norm_clip = None
     if self._dp_fast_clipping and self._dp_public_data is None:
@@ -153,6 +130,8 @@ class _PrivateTraining:
       # gradient is added after the noise, outside the clipped sum.
       grads = [g + r for g, r in zip(grads, result.regularization_grads)]
     optimizer.apply_gradients(zip(grads, var_list))
+    if not self._dp_release_training_metrics:
+      return {}  # Nothing computed from the private batch.
     regularization = None
     if result.regularization_loss is not None:
       # Per example, as Keras's container adds it to unreduced losses.
@@ -177,18 +156,21 @@ class _PrivateTraining:
   def get_config(self):
     return {**super().get_config(), 'chunk_size': self._dp_chunk_size,
             'use_layer_rules': self._dp_use_layer_rules,
-            'fast_clipping': self._dp_fast_clipping}
+            'fast_clipping': self._dp_fast_clipping,
+            'release_training_metrics': self._dp_release_training_metrics}
 
   @classmethod
   def from_config(cls, config, custom_objects=None):
     config = dict(config)
     engine = {k: config.pop(k)
-              for k in ('chunk_size', 'use_layer_rules', 'fast_clipping')
+              for k in ('chunk_size', 'use_layer_rules', 'fast_clipping',
+                        'release_training_metrics')
               if k in config}
     model = super().from_config(config, custom_objects)
     model._set_engine(  # pylint: disable=protected-access
         engine.get('chunk_size', DEFAULT_CHUNK_SIZE), None, None,
-        engine.get('use_layer_rules', True), engine.get('fast_clipping', True))
+        engine.get('use_layer_rules', True), engine.get('fast_clipping', True),
+        engine.get('release_training_metrics', True))
     return model
 
   # --- Saving: the DP optimizer's state is the privacy ledger ----------------
@@ -251,7 +233,7 @@ class DPModel(_PrivateTraining, tf.keras.Model):
   def __init__(self, *args, chunk_size: int = DEFAULT_CHUNK_SIZE,
                public_data=None, public_chunk_size: Optional[int] = None,
                use_layer_rules: bool = True, fast_clipping: bool = True,
-               **kwargs):
+               release_training_metrics: bool = True, **kwargs):
     """Args:
       *args: as `tf.keras.Model`.
       chunk_size: examples per `tf.vectorized_map` call of the fallback (and
@@ -273,6 +255,12 @@ class DPModel(_PrivateTraining, tf.keras.Model):
         less memory, and much faster for large Dense layers. The result is
         the same up to float rounding. False always materializes (for
         comparisons).
+      release_training_metrics: False makes `train_step` return nothing
+        computed from the private batch (no loss, no compiled metrics), so
+        `fit`'s logs, progress bar and History hold only what callbacks add
+        (e.g. `tfdpx.keras.PrivacyCallback`'s epsilon). True (Keras's
+        behaviour) logs the loss and metrics of each private training batch,
+        which the reported epsilon does not cover.
       **kwargs: as `tf.keras.Model`.
 
     Raises:
@@ -280,7 +268,7 @@ class DPModel(_PrivateTraining, tf.keras.Model):
     """
     super().__init__(*args, **kwargs)
     self._set_engine(chunk_size, public_data, public_chunk_size,
-                     use_layer_rules, fast_clipping)
+                     use_layer_rules, fast_clipping, release_training_metrics)
 
 
 @tf.keras.saving.register_keras_serializable(package='tfdpx')
@@ -305,18 +293,19 @@ class DPSequential(_PrivateTraining, tf.keras.Sequential):
   def __init__(self, layers=None, name=None, *,
                chunk_size: int = DEFAULT_CHUNK_SIZE, public_data=None,
                public_chunk_size: Optional[int] = None,
-               use_layer_rules: bool = True, fast_clipping: bool = True):
+               use_layer_rules: bool = True, fast_clipping: bool = True,
+               release_training_metrics: bool = True):
     """Args:
       layers, name: as `tf.keras.Sequential`.
       chunk_size, public_data, public_chunk_size, use_layer_rules,
-        fast_clipping: as `DPModel`.
+        fast_clipping, release_training_metrics: as `DPModel`.
 
     Raises:
       ValueError: naming the argument that is invalid.
     """
     super().__init__(layers, name)
     self._set_engine(chunk_size, public_data, public_chunk_size,
-                     use_layer_rules, fast_clipping)
+                     use_layer_rules, fast_clipping, release_training_metrics)
 
 
 
@@ -340,7 +329,8 @@ def make_private(model: tf.keras.Model, *,
                  chunk_size: int = DEFAULT_CHUNK_SIZE,
                  public_data=None, public_chunk_size: Optional[int] = None,
                  use_layer_rules: bool = True,
-                 fast_clipping: bool = True) -> tf.keras.Model:
+                 fast_clipping: bool = True,
+                 release_training_metrics: bool = True) -> tf.keras.Model:
   """A model sharing `model`'s layers and weights, trained with fast DP steps.
 
   Compile the returned model with a tfdpx optimizer (`tfdpx.keras.DPSGD`, ...)
@@ -358,31 +348,48 @@ def make_private(model: tf.keras.Model, *,
       Sequential models get the per-layer rules; a subclassed model is one
       fallback unit.
     chunk_size, public_data, public_chunk_size, use_layer_rules,
-      fast_clipping: see `DPModel`.
+      fast_clipping, release_training_metrics: see `DPModel`.
 
   Returns:
     A `DPModel` or `DPSequential`.
 
   Raises:
-    ValueError: for a trainable BatchNormalization layer or an activity
-      regularizer (see `check_private_compatible`), or a bad argument.
+    ValueError: for a layer that mixes the examples of a batch, a stateful
+      layer, an activity regularizer or a layer that writes a variable from
+      the data (`tfdpx.keras.check_private_compatible`; layers not built yet
+      are checked at the first step), or a bad argument.
 
   Privacy:
     Each example's gradient is computed from that example alone as long as no
-    layer mixes the examples of a batch (BatchNormalization is refused; a
-    custom layer that mixes examples is not detected). The gradient of
+    layer mixes the examples of a batch (a trainable BatchNormalization and
+    normalizations over the batch axis are refused; a custom layer that mixes
+    examples is not detected). No layer may carry data from one step to the
+    next or into the saved model: stateful layers and layers that write a
+    variable from the data are refused. The gradient of
     `model.losses` (weight regularizers) is data-independent and added after
     the noise, outside the clipped sum; a loss added with `add_loss` that
     depends on the data is refused at the first step. Public data never
     enters the private sum.
+
+    Epsilon bounds what the noisy updates release (the weights, the
+    optimizer's state), not what Keras logs: by default `fit` reports the loss
+    and metrics of every private training batch (progress bar, History,
+    callbacks such as TensorBoard), functions of the batch that are neither
+    clipped nor noised. With
+    `release_training_metrics=False` the training step returns none of them;
+    measure accuracy with `evaluate` on held-out data that is not part of the
+    private training set.
   """
-  check_private_compatible(model)
+  functional = getattr(model, '_is_graph_network', False)
+  validation.check_private_compatible(model,
+                                      model.inputs if functional else None)
   engine = dict(chunk_size=chunk_size, public_data=public_data,
                 public_chunk_size=public_chunk_size,
-                use_layer_rules=use_layer_rules, fast_clipping=fast_clipping)
+                use_layer_rules=use_layer_rules, fast_clipping=fast_clipping,
+                release_training_metrics=release_training_metrics)
   if isinstance(model, tf.keras.Sequential) and not model.built:
     return DPSequential(model.layers, name=model.name + '_private', **engine)
-  if getattr(model, '_is_graph_network', False):
+  if functional:
     return DPModel(model.inputs, model.outputs, name=model.name + '_private',
                    **engine)
   return _Wrapped(model, **engine)

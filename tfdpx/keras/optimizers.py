@@ -6,6 +6,7 @@ the privatizer's state and its step counter (so checkpoints restore them), and
 the noisy sum is divided by a public denominator.
 """
 
+import inspect
 import logging
 import os
 from typing import Optional
@@ -17,6 +18,7 @@ from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras_vectorized 
 from tfdpx import accounting
 from tfdpx import core
 from tfdpx import per_example
+from tfdpx.keras import validation
 from tfdpx.privatizers.gaussian import Gaussian
 
 _REFUSED_KWARGS = ('clipnorm', 'clipvalue', 'global_clipnorm')
@@ -29,6 +31,14 @@ JACOBIAN_WARNING = (
     'tfdpx.keras.make_private(model) instead: the same optimizer, per-layer '
     'per-example gradients in linear time (1.4 times a non-private step on '
     'that CNN; see benchmarks/README.md).')
+
+NO_MODEL_WARNING = (
+    'tfdpx: this optimizer was not called from the train step of the Keras '
+    'model it is compiled with (a custom training loop?), so tfdpx cannot '
+    'check the model: layers that mix examples, stateful layers or layers '
+    'writing variables from the data make the training not private. Call '
+    'tfdpx.keras.check_private_compatible(model, inputs, compile_path=True) '
+    'on a batch of inputs before training.')
 
 
 # The config key that records how many private steps a saved optimizer took.
@@ -137,6 +147,8 @@ class DPOptimizerMixin:
     self._dp_state_structure = None
     self._dp_steps = None
     self._warned_jacobian = False
+    self._warned_no_model = False
+    self._eagerly_checked = None  # id() of the model checked in eager mode.
 
   # --- privacy ---------------------------------------------------------------
 
@@ -330,9 +342,51 @@ class DPOptimizerMixin:
 
   # --- Keras hooks -----------------------------------------------------------
 
+  def _calling_model(self) -> Optional[tf.keras.Model]:
+    """The Keras model whose train step is calling this optimizer, or None.
+
+    Keras's `Model.train_step` hands the optimizer only the loss, the
+    variables and the tape; the model is the one among the callers' local
+    variables (`self` of `train_step`) that is compiled with this optimizer.
+    """
+    frame = inspect.currentframe()
+    try:
+      while frame is not None:
+        for value in frame.f_locals.values():
+          if isinstance(value, tf.keras.Model):
+            optimizer = getattr(value, 'optimizer', None)
+            if (optimizer is self or
+                getattr(optimizer, 'inner_optimizer', None) is self):
+              return value
+        frame = frame.f_back
+      return None
+    finally:
+      del frame
+
+  def _check_model(self):
+    """Runs the model validation of every DP path on the compile path."""
+    model = self._calling_model()
+    if model is None:
+      if not self._warned_no_model:
+        self._warned_no_model = True
+        _LOG.warning(NO_MODEL_WARNING)
+      return
+    if tf.executing_eagerly() and self._eagerly_checked == id(model):
+      return  # Eager steps: once per model. Traced steps: at every trace.
+    spec = model.save_spec()  # Set by the forward pass of this step.
+    validation.check_private_compatible(
+        model, spec[0][0] if spec and spec[0] else None, compile_path=True)
+    self._eagerly_checked = id(model) if tf.executing_eagerly() else None
+
   def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
-    """Per-record gradients by the Jacobian, then `privatize`."""
+    """Per-record gradients by the Jacobian, then `privatize`.
+
+    Raises:
+      ValueError: if the calling Keras model fails
+        `tfdpx.keras.check_private_compatible(model, compile_path=True)`.
+    """
     del grad_loss  # A per-example loss has no upstream gradient.
+    self._check_model()
     if not callable(loss) and tape is None:
       raise ValueError('`tape` is required when a `Tensor` loss is passed.')
     tape = tape if tape is not None else tf.GradientTape()
