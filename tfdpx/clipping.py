@@ -17,6 +17,38 @@ def squared_norm(per_example: tf.Tensor) -> tf.Tensor:
   return tf.einsum('bn,bn->b', flat, flat)  # No [B, ...] temporary of squares.
 
 
+def drop_nonfinite(
+    per_example: Sequence[tf.Tensor]) -> Tuple[List[tf.Tensor], tf.Tensor]:
+  """Zeroes every record whose gradient is not finite, before any clipping.
+
+  One NaN or infinite record would make the released sum NaN (and so reveal
+  that the example was in the batch); a zero record contributes nothing. A
+  record is dropped when its squared L2 norm over all tensors is not finite
+  in float32: a NaN or infinite entry, or a norm beyond float32's range
+  (which clipping would scale to zero anyway).
+
+  Args:
+    per_example: one `[B, ...]` tensor per variable.
+
+  Returns:
+    `(records, num_dropped)`: the tensors with the dropped records zeroed, and
+    the int32 number of dropped records. The count depends on the data and no
+    epsilon covers it (like a training metric).
+  """
+  keep = tf.math.is_finite(tf.add_n([squared_norm(g) for g in per_example]))
+  num_dropped = tf.reduce_sum(tf.cast(tf.logical_not(keep), tf.int32))
+  return [zero_rows(g, keep) for g in per_example], num_dropped
+
+
+def zero_rows(per_example: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
+  """`per_example` with the rows where `keep` (`[B]` bool) is False zeroed.
+
+  A select, not a product: a zeroed row stays zero even if it held NaN.
+  """
+  keep = tf.reshape(keep, [-1] + [1] * (per_example.shape.rank - 1))
+  return tf.where(keep, per_example, tf.zeros_like(per_example))
+
+
 def _scale(per_example: Sequence[tf.Tensor], factor: tf.Tensor):
   out = []
   for g in per_example:
