@@ -163,7 +163,7 @@ class _Recorder:
     self.wanted = {_key(v): v for v in var_list}
     self.rule_calls = []  # (layer, rule, inputs, tap)
     self.fallback_calls = []  # _FallbackCall
-    self.attributed = set()  # Keys of wanted variables that units account for.
+    self.unattributed = []  # Wanted variables read where no unit sees it.
 
   def run(self, model, inputs):
     """The model's outputs on `inputs`, computed in training mode."""
@@ -235,7 +235,7 @@ class _Recorder:
       self.rule_calls.append((layer, rule, args[0], tap))
       # The rule's gradients cover its layer's weights and nothing else.
       owned = {_key(v) for v in layer.trainable_weights}
-      self.attributed.update(_key(v) for v in read if _key(v) in owned)
+      self.unattributed.extend(v for v in read if _key(v) not in owned)
     elif layer.trainable_weights or read:
       float_outputs = [t for t in tf.nest.flatten(outputs) if _is_float(t)]
       self.tape.watch(float_outputs)
@@ -243,13 +243,12 @@ class _Recorder:
       self.fallback_calls.append(_FallbackCall(
           layer, args, kwargs, float_outputs,
           _unique(list(layer.trainable_weights) + read), own, ops))
-      self.attributed.update(_key(v) for v in read)
     return outputs
 
-  def unattributed(self, read: Sequence[tf.Variable]) -> List[tf.Variable]:
-    """The wanted variables among `read` that no recorded call accounts for."""
-    return [self.wanted[k] for k in _unique_keys(read)
-            if k in self.wanted and k not in self.attributed]
+  def read_outside(self, read: Sequence[tf.Variable]) -> None:
+    """Notes variables read outside the layer calls (e.g. by the loss)."""
+    self.unattributed.extend(self.wanted[k] for k in _unique_keys(read)
+                             if k in self.wanted)
 
 
 def _unique_keys(variables):
@@ -331,12 +330,10 @@ def _data_dependent_loss_layers(model, terms, inputs) -> List[str]:
   names = []
   for term in terms:
     if _depends_on(term, sources):
-      # The innermost layer holding the term added it.
+      # The layers holding the term, outermost first: the last one added it.
       owners = [layer for layer in model._flatten_layers()  # pylint: disable=protected-access
                 if any(t is term for t in layer.losses)]
-      owner = min(owners, key=lambda layer: len(layer.losses),
-                  default=model)
-      names.append(owner.name)
+      names.append((owners or [model])[-1].name)
   return list(dict.fromkeys(names))
 
 
@@ -626,19 +623,22 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
   with tf.GradientTape(persistent=True) as tape:
     recorder = _Recorder(tape, use_rules, var_list)
     outputs = recorder.run(model, inputs)
-    losses = per_example_loss(outputs)
+    with tf.GradientTape() as loss_tape:
+      losses = per_example_loss(outputs)
+    recorder.read_outside(loss_tape.watched_variables())
     total = tf.reduce_sum(losses)
-    unattributed = recorder.unattributed(tape.watched_variables())
     terms = model.losses
     regularization = tf.add_n(terms) if terms else None
 
-  if unattributed:
+  if recorder.unattributed:
+    names = list(dict.fromkeys(v.name for v in recorder.unattributed))
     raise ValueError(
-        'trainable variables '
-        f'{[v.name for v in unattributed]} are read outside the layer calls '
-        'of the model (e.g. by the loss): tfdpx cannot tell which examples '
-        'their gradient comes from. Read them inside a layer (a custom layer '
-        'that receives the variable), or train without make_private.')
+        f'trainable variables {names} are read outside the layer calls of '
+        'the model that tfdpx can account for (by the loss, or by a layer '
+        'rule that does not give their gradient): tfdpx cannot tell which '
+        'examples their gradient comes from. Read them inside a layer (a '
+        'custom layer that receives the variable), or train without '
+        'make_private.')
   if tf.executing_eagerly() and (terms or recorder.fallback_calls):
     random, dependent = _traced_analysis(model, inputs, use_rules, var_list)
   else:
