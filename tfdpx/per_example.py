@@ -6,9 +6,18 @@ per-microbatch) loss vector with respect to every trainable variable. It is
 correct for any Keras model; its cost grows with the square of the batch.
 
 The engine of models made private (`model_gradients`) costs one batched
-forward and one batched backward pass plus, per layer, a rule
+forward and one batched backward pass plus, per layer call, a rule
 (`tfdpx.layer_rules`) or a chunked `tf.vectorized_map` fallback: linear in the
-batch. See docs/per_example.md.
+batch.
+
+One definition holds on every path: an example's gradient is the gradient of
+its loss through the very forward pass that produced the loss (the same
+dropout masks). The fallback therefore never recomputes a call that draws
+random numbers; it differentiates the recorded call instead (exact, quadratic
+in the batch for that layer). A variable read by several layer calls (tied
+weights) gets the sum of every call's share. Records whose gradient is not
+finite are dropped (zeroed) before any privatizer sees them. See
+docs/per_example.md.
 """
 
 import logging
@@ -297,7 +306,7 @@ def _random_calls(calls: Sequence[_FallbackCall]) -> List[bool]:
   library = {}
   if any(_function_names(op.node_def.attr) for call in calls
          for op in call.ops):
-    graph = calls[0].ops[0].graph
+    graph = tf.compat.v1.get_default_graph()  # The forward pass's graph.
     library = {f.signature.name: f
                for f in graph.as_graph_def().library.function}
   return [_draws_random_numbers(call.ops, library) for call in calls]
@@ -557,7 +566,9 @@ def _rule_unit(tape, layer, rule, inputs, tap, tap_grad) -> _Unit:
 
 def _fallback_unit(call: _FallbackCall, output_grads, chunk_size,
                    draws_random_numbers) -> _Unit:
-  grads = _recorded_grads if draws_random_numbers else _fallback_grads
+  # Without float outputs no gradient flows: nothing to record.
+  grads = (_recorded_grads if draws_random_numbers and call.outputs else
+           _fallback_grads)
   return _Unit(call.variables,
                lambda: grads(call, output_grads, chunk_size),
                lambda: None, None)
