@@ -22,22 +22,28 @@ def drop_nonfinite(
   """Zeroes every record whose gradient is not finite, before any clipping.
 
   One NaN or infinite record would make the released sum NaN (and so reveal
-  that the example was in the batch); a zero record contributes nothing. A
-  record is dropped when its squared L2 norm over all tensors is not finite
-  in float32: a NaN or infinite entry, or a norm beyond float32's range
-  (which clipping would scale to zero anyway).
+  that the example was in the batch); a zero record contributes nothing, as
+  if the example had not been sampled.
 
   Args:
     per_example: one `[B, ...]` tensor per variable.
 
   Returns:
-    `(records, num_dropped)`: the tensors with the dropped records zeroed, and
-    the int32 number of dropped records. The count depends on the data and no
-    epsilon covers it (like a training metric).
+    `(records, num_dropped)`: the tensors with every record that has a NaN or
+    infinite entry zeroed, and the int32 number of such records. The count
+    depends on the data and no epsilon covers it (like a training metric).
   """
-  keep = tf.math.is_finite(tf.add_n([squared_norm(g) for g in per_example]))
+  per_example = list(per_example)
+  keep = tf.reduce_all(tf.stack([
+      tf.reduce_all(tf.math.is_finite(
+          tf.reshape(g, [tf.shape(g)[0], -1])), axis=1)
+      for g in per_example]), axis=0)
   num_dropped = tf.reduce_sum(tf.cast(tf.logical_not(keep), tf.int32))
-  return [zero_rows(g, keep) for g in per_example], num_dropped
+  # A copy only in a step that drops a record.
+  records = tf.cond(num_dropped > 0,
+                    lambda: [zero_rows(g, keep) for g in per_example],
+                    lambda: per_example)
+  return records, num_dropped
 
 
 def zero_rows(per_example: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:

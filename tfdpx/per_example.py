@@ -707,11 +707,13 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
     keep = tf.math.is_finite(squares)
     factors = tf.where(keep, clipping.clip_factor(tf.sqrt(squares),
                                                   l2_norm_clip), 0.0)
-    sums = {
-        ref: tf.tensordot(tf.cast(factors, g.dtype),
-                          clipping.zero_rows(g, keep), axes=1)
-        for ref, (_, g) in materialized.items()
-    }
+    all_kept = tf.reduce_all(keep)
+
+    def kept(g):  # A copy only in a step that drops a record.
+      return tf.cond(all_kept, lambda: g, lambda: clipping.zero_rows(g, keep))
+
+    sums = {ref: tf.tensordot(tf.cast(factors, g.dtype), kept(g), axes=1)
+            for ref, (_, g) in materialized.items()}
     for unit in ghosts:
       sums.update((v.ref(), g) for v, g in unit.weighted_sum(factors, keep))
     del tape
