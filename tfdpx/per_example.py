@@ -139,6 +139,10 @@ def _key(variable):
   return variable.handle.ref()
 
 
+def _unique_keys(variables):
+  return list(dict.fromkeys(_key(v) for v in variables))
+
+
 def _unique(variables) -> List[tf.Variable]:
   keys = {}
   for variable in variables:
@@ -258,10 +262,6 @@ class _Recorder:
     """Notes variables read outside the layer calls (e.g. by the loss)."""
     self.unattributed.extend(self.wanted[k] for k in _unique_keys(read)
                              if k in self.wanted)
-
-
-def _unique_keys(variables):
-  return list(dict.fromkeys(_key(v) for v in variables))
 
 
 def _function_names(attrs) -> List[str]:
