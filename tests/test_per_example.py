@@ -41,6 +41,63 @@ def _mixed():
   return tf.keras.Model([ids, signal], outputs)
 
 
+def _shared():
+  """A model calling one Dense layer twice: its per-example norms don't add."""
+  inputs = tf.keras.Input((4,))
+  shared = L.Dense(4, activation='tanh')
+  return tf.keras.Model(inputs, L.Dense(2)(shared(shared(inputs))))
+
+
+def _tied_before():
+  """A Dense layer whose input is computed from its own kernel (a raw op)."""
+  inputs = tf.keras.Input((4,))
+  dense = L.Dense(4, activation='tanh')
+  dense.build((None, 4))
+  x = tf.matmul(inputs, dense.kernel, transpose_b=True)  # A TFOpLambda.
+  return tf.keras.Model(inputs, L.Dense(2)(dense(x)))
+
+
+class _TiedOutput(L.Layer):
+  """Multiplies by another layer's weight matrix, transposed."""
+
+  def __init__(self, weight, **kwargs):
+    super().__init__(**kwargs)
+    self.weight = weight  # Not its own: trainable_weights stays empty.
+
+  def call(self, inputs):
+    return tf.matmul(inputs, self.weight(), transpose_b=True)
+
+
+def _tied_embedding():
+  """Tied input and output embeddings, the output through a custom layer."""
+  ids = tf.keras.Input((6,), dtype='int32')
+  embedding = L.Embedding(10, 4)
+  x = L.Dense(4, activation='tanh')(embedding(ids))
+  return tf.keras.Model(ids, _TiedOutput(lambda: embedding.embeddings)(x))
+
+
+class _Scaled(L.Layer):
+  """A layer with its own weight that also reads another layer's kernel."""
+
+  def __init__(self, owner, **kwargs):
+    super().__init__(**kwargs)
+    self.owner = owner
+
+  def build(self, input_shape):
+    self.scale = self.add_weight('scale', shape=[input_shape[-1]],
+                                 initializer='ones')
+
+  def call(self, inputs):
+    return tf.matmul(inputs * self.scale, self.owner.kernel, transpose_b=True)
+
+
+def _tied_fallback():
+  inputs = tf.keras.Input((4,))
+  dense = L.Dense(3, activation='tanh')
+  x = _Scaled(dense)(dense(inputs))
+  return tf.keras.Model(inputs, L.Dense(2)(x))
+
+
 MODELS = {
     'dense': (lambda: tf.keras.Sequential([
         tf.keras.Input((7,)), L.Dense(4, activation='tanh'), L.Dense(3)]),
@@ -74,6 +131,11 @@ MODELS = {
         tf.keras.Input((9, 8, 3)), L.Conv2D(4, 3), L.GroupNormalization(2),
         L.Flatten(), L.Dense(2)]), _floats(9, 8, 3)),
     'mixed': (_mixed, lambda rng: [_ids(6, 7)(rng), _floats(6, 3)(rng)]),
+    # Variables read by several layer calls: each call adds its share.
+    'shared': (_shared, _floats(4)),
+    'tied_before': (_tied_before, _floats(4)),
+    'tied_embedding': (_tied_embedding, _ids(6, 10)),
+    'tied_fallback': (_tied_fallback, _floats(4)),
 }
 
 
@@ -119,17 +181,10 @@ def test_per_example_gradients_equal_a_loop_of_single_example_tapes(
                                err_msg=var.name)
 
 
-def _shared():
-  """A model calling one Dense layer twice: its per-example norms don't add."""
-  inputs = tf.keras.Input((4,))
-  shared = L.Dense(4, activation='tanh')
-  return tf.keras.Model(inputs, L.Dense(2)(shared(shared(inputs))))
-
-
-@pytest.mark.parametrize('name', sorted(MODELS) + ['shared'])
+@pytest.mark.parametrize('name', sorted(MODELS))
 def test_fast_clipping_equals_clipping_the_loop_reference(name):
   tf.keras.utils.set_random_seed(1)
-  build, make_x = MODELS.get(name, (_shared, _floats(4)))
+  build, make_x = MODELS[name]
   model = build()
   rng = np.random.default_rng(0)
   x = make_x(rng)
@@ -149,11 +204,6 @@ def test_fast_clipping_equals_clipping_the_loop_reference(name):
     return result.per_example_grads, result.clipped_sum
 
   per_example_grads, clipped_sum = fast(x)
-  if name == 'shared':  # Falls back to materialized per-example gradients.
-    assert clipped_sum is None
-    for got, want in zip(per_example_grads, expected):
-      np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5)
-    return
   assert per_example_grads is None
   for got, want, var in zip(clipped_sum, expected,
                             model.trainable_variables):
@@ -219,20 +269,177 @@ def test_regularization_is_returned_apart_from_the_per_example_gradients():
                              2 * 0.5 * kernel.numpy(), rtol=1e-6)
 
 
-def test_a_data_dependent_add_loss_is_refused():
+class _DataLoss(L.Layer):
+  """Adds a loss computed from its inputs by `term`."""
 
-  class Activity(L.Layer):
+  def __init__(self, term, **kwargs):
+    super().__init__(**kwargs)
+    self.term = term
 
-    def call(self, inputs):
-      self.add_loss(tf.reduce_sum(inputs))
-      return inputs
+  def call(self, inputs):
+    self.add_loss(self.term(inputs))
+    return inputs
 
-  model = tf.keras.Sequential([tf.keras.Input((3,)), L.Dense(2), Activity()])
-  with pytest.raises(ValueError, match='depends on the data'):
+
+DATA_TERMS = {
+    'float': tf.reduce_sum,
+    'stop_gradient': lambda x: tf.reduce_sum(tf.stop_gradient(x)),
+    'rounded': lambda x: tf.reduce_sum(tf.round(x)),
+    'argmax': lambda x: tf.cast(tf.reduce_sum(tf.argmax(x, axis=1)),
+                                tf.float32),
+    'integer': lambda x: tf.reduce_mean(tf.cast(tf.cast(x, tf.int32),
+                                                tf.float32)),
+}
+
+
+@pytest.mark.parametrize('graph', [False, True], ids=['eager', 'graph'])
+@pytest.mark.parametrize('term', sorted(DATA_TERMS))
+def test_a_data_dependent_add_loss_is_refused(term, graph):
+  # Before, only terms with a gradient to a float input or activation were.
+  model = tf.keras.Sequential([
+      tf.keras.Input((3,)), L.Dense(2),
+      _DataLoss(DATA_TERMS[term], name='data_loss'), L.Dense(1)])
+
+  def run(x):
+    return per_example.model_gradients(
+        model, x, lambda outputs: tf.reduce_sum(outputs, axis=1),
+        model.trainable_variables).per_example_grads
+
+  with pytest.raises(ValueError, match='data_loss.*depends on the data'):
+    (tf.function(run) if graph else run)(np.ones((4, 3), 'float32'))
+
+
+def test_a_variable_read_by_the_loss_is_refused():
+  model = tf.keras.Sequential([tf.keras.Input((3,)), L.Dense(2)])
+  kernel = model.layers[0].kernel
+  with pytest.raises(ValueError, match='read outside the layer calls'):
     per_example.model_gradients(
         model, np.ones((4, 3), 'float32'),
-        lambda outputs: tf.reduce_sum(outputs, axis=1),
+        lambda outputs: tf.reduce_sum(outputs, axis=1) + tf.reduce_sum(kernel),
         model.trainable_variables)
+
+
+def _poisoned(x, row):
+  """`x` with an infinite entry in example `row` of its first float input."""
+  x = [np.array(t) for t in tf.nest.flatten(x)]
+  target = next(t for t in x if t.dtype.kind == 'f')
+  target.reshape(BATCH, -1)[row, 0] = np.inf
+  return x if len(x) > 1 else x[0]
+
+
+@pytest.mark.parametrize('fast', [False, True], ids=['materialized', 'fast'])
+@pytest.mark.parametrize('name', ['dense', 'dense_on_short_sequences',
+                                  'conv2d', 'layer_norm', 'mixed'])
+@pytest.mark.parametrize('cause', ['inf_input', 'nan_loss'])
+def test_a_non_finite_example_is_dropped_and_the_others_are_untouched(
+    cause, name, fast):
+  tf.keras.utils.set_random_seed(1)
+  build, make_x = MODELS[name]
+  model = build()
+  rng = np.random.default_rng(0)
+  x = make_x(rng)
+  y = rng.normal(size=model(x).shape).astype('float32')
+  expected = _loop_reference(model, x, y)
+  bad = 2
+  if cause == 'inf_input':
+    x = _poisoned(x, bad)
+  weights = np.ones(BATCH, 'float32')
+  weights[bad] = 0.0  # For nan_loss: sqrt at 0, whose gradient is NaN.
+
+  def loss(outputs):
+    if cause == 'inf_input':
+      return _squared_error(y, outputs)
+    return tf.sqrt(weights * _squared_error(y, outputs))
+
+  if cause == 'nan_loss':  # The reference of the sqrt loss, where finite.
+    factors = 0.5 / np.sqrt(_squared_error(y, model(x)).numpy())
+    expected = [g * factors.reshape([-1] + [1] * (g.ndim - 1))
+                for g in expected]
+  for g in expected:
+    g[bad] = 0.0
+
+  @tf.function
+  def run(x):
+    return per_example.model_gradients(
+        model, x, loss, model.trainable_variables, chunk_size=2,
+        l2_norm_clip=1e9 if fast else None)
+
+  result = run(x)
+  assert result.dropped_records.numpy() == 1
+  if fast:  # An infinite clip: the plain sum of the finite examples.
+    for got, want in zip(result.clipped_sum, expected):
+      np.testing.assert_allclose(got.numpy(), want.sum(axis=0), rtol=1e-4,
+                                 atol=1e-5)
+  else:
+    for got, want in zip(result.per_example_grads, expected):
+      np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5)
+
+
+class _WithDropout(tf.keras.Model):
+  """A subclassed model, one fallback unit, with a Keras Dropout inside."""
+
+  def __init__(self):
+    super().__init__()
+    self.first, self.drop, self.last = L.Dense(4), L.Dropout(0.5), L.Dense(2)
+
+  def call(self, inputs, training=None):
+    return self.last(self.drop(self.first(inputs), training=training))
+
+
+def _random_models():
+  signal = tf.keras.Input((5, 3))
+  attention = L.MultiHeadAttention(2, 3, dropout=0.5)(signal, signal)
+  subclassed = _WithDropout()
+  subclassed(tf.zeros([1, 5, 3]))
+  return {
+      'lstm': tf.keras.Sequential([
+          tf.keras.Input((5, 3)),
+          L.LSTM(4, dropout=0.5, recurrent_dropout=0.3), L.Dense(2)]),
+      'gru': tf.keras.Sequential([
+          tf.keras.Input((5, 3)), L.GRU(4, dropout=0.5), L.Dense(2)]),
+      'attention': tf.keras.Model(
+          signal, L.Dense(2)(L.Flatten()(attention))),
+      'subclassed': subclassed,
+  }
+
+
+@pytest.mark.parametrize('graph', [False, True], ids=['eager', 'graph'])
+@pytest.mark.parametrize('name', ['lstm', 'gru', 'attention', 'subclassed'])
+def test_a_random_fallback_call_gets_the_gradients_of_the_forward_that_ran(
+    name, graph, caplog):
+  # Before, the fallback recomputed each example with new dropout masks.
+  tf.keras.utils.set_random_seed(1)
+  model = _random_models()[name]
+  x = np.random.default_rng(0).normal(size=(BATCH, 5, 3)).astype('float32')
+
+  def run(x):
+    # The outer tape's Jacobian of the losses is the compile path's
+    # per-example gradient of the very forward pass the engine ran.
+    with tf.GradientTape(persistent=True) as tape:
+      result = per_example.model_gradients(
+          model, x, lambda outputs: _squared_error(0.0, outputs),
+          model.trainable_variables, chunk_size=2)
+    jacobian = tape.jacobian(result.losses, model.trainable_variables,
+                             experimental_use_pfor=False)
+    return result.per_example_grads, jacobian
+
+  with caplog.at_level('WARNING', logger=per_example.__name__):
+    got, want = (tf.function(run) if graph else run)(x)
+  assert np.abs(want[0].numpy()).max() > 0
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-4, atol=1e-5)
+  assert 'draws random numbers' in caplog.text  # The cost is not silent.
+
+
+def test_a_deterministic_fallback_call_stays_linear(caplog):
+  tf.keras.utils.set_random_seed(1)
+  model = MODELS['lstm'][0]()
+  with caplog.at_level('WARNING', logger=per_example.__name__):
+    tf.function(lambda x: per_example.model_gradients(
+        model, x, lambda outputs: tf.reduce_sum(outputs, axis=1),
+        model.trainable_variables).per_example_grads)(_ids(6, 10)(
+            np.random.default_rng(0)))
+  assert 'draws random numbers' not in caplog.text
 
 
 def test_chunked_pads_and_trims_to_the_batch():

@@ -17,6 +17,44 @@ def squared_norm(per_example: tf.Tensor) -> tf.Tensor:
   return tf.einsum('bn,bn->b', flat, flat)  # No [B, ...] temporary of squares.
 
 
+def drop_nonfinite(
+    per_example: Sequence[tf.Tensor]) -> Tuple[List[tf.Tensor], tf.Tensor]:
+  """Zeroes every record whose gradient is not finite, before any clipping.
+
+  One NaN or infinite record would make the released sum NaN (and so reveal
+  that the example was in the batch); a zero record contributes nothing, as
+  if the example had not been sampled.
+
+  Args:
+    per_example: one `[B, ...]` tensor per variable.
+
+  Returns:
+    `(records, num_dropped)`: the tensors with every record that has a NaN or
+    infinite entry zeroed, and the int32 number of such records. The count
+    depends on the data and no epsilon covers it (like a training metric).
+  """
+  per_example = list(per_example)
+  keep = tf.reduce_all(tf.stack([
+      tf.reduce_all(tf.math.is_finite(
+          tf.reshape(g, [tf.shape(g)[0], -1])), axis=1)
+      for g in per_example]), axis=0)
+  num_dropped = tf.reduce_sum(tf.cast(tf.logical_not(keep), tf.int32))
+  # A copy only in a step that drops a record.
+  records = tf.cond(num_dropped > 0,
+                    lambda: [zero_rows(g, keep) for g in per_example],
+                    lambda: per_example)
+  return records, num_dropped
+
+
+def zero_rows(per_example: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
+  """`per_example` with the rows where `keep` (`[B]` bool) is False zeroed.
+
+  A select, not a product: a zeroed row stays zero even if it held NaN.
+  """
+  keep = tf.reshape(keep, [-1] + [1] * (per_example.shape.rank - 1))
+  return tf.where(keep, per_example, tf.zeros_like(per_example))
+
+
 def _scale(per_example: Sequence[tf.Tensor], factor: tf.Tensor):
   out = []
   for g in per_example:

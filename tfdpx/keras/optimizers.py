@@ -16,6 +16,7 @@ import tensorflow as tf
 from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras_vectorized as tfp_vectorized
 
 from tfdpx import accounting
+from tfdpx import clipping
 from tfdpx import core
 from tfdpx import per_example
 from tfdpx.keras import validation
@@ -404,6 +405,7 @@ class DPOptimizerMixin:
       _LOG.warning(JACOBIAN_WARNING)
     with tf.name_scope(self._name + '/gradients'):
       grads = per_example.jacobian(tape, records, var_list)
+      grads, _ = clipping.drop_nonfinite(grads)  # Before any privatizer.
       final = self.privatize(grads, var_list)
     return list(zip(final, var_list))
 
