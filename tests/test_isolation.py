@@ -45,12 +45,12 @@ def _norm(update):
   return float(np.sqrt(sum(np.sum(np.square(u)) for u in update)))
 
 
-def _private(model, path):
+def _private(model, path, **engine):
   if path == 'compile':
     return model
   return tfdpx.keras.make_private(
       model, fast_clipping=path != 'materialized',
-      use_layer_rules=path != 'no_rules')
+      use_layer_rules=path != 'no_rules', **engine)
 
 
 # --- 1. add_loss that depends on the data ------------------------------------
@@ -201,6 +201,19 @@ def test_a_non_finite_record_is_dropped_and_the_rest_released(
   for got, want in zip(with_bad, without):
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('path', ['fast', 'materialized'])
+def test_the_count_of_dropped_records_is_a_training_metric(path):
+  x, y = _batch('nan_loss')
+  model = _private(_small_model(), path)
+  model.compile(_optimizer(gaussian(0.5, 0.7), 4), _SqrtLoss(reduction=NONE))
+  logs = model.fit(x, y, batch_size=4, verbose=0).history
+  assert logs['dropped_records'] == [1]
+  quiet = _private(_small_model(), path, release_training_metrics=False)
+  quiet.compile(_optimizer(gaussian(0.5, 0.7), 4), _SqrtLoss(reduction=NONE))
+  assert 'dropped_records' not in quiet.fit(x, y, batch_size=4,
+                                            verbose=0).history
 
 
 def test_the_compile_path_stays_finite_when_an_input_is_infinite():

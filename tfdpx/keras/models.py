@@ -20,6 +20,7 @@ from keras.src.optimizers.legacy import optimizer_v2
 from keras.src.saving import serialization_lib
 from keras.src.utils import losses_utils
 
+from tfdpx import noise
 from tfdpx import per_example
 from tfdpx.keras import optimizers
 from tfdpx.keras import validation
@@ -139,7 +140,11 @@ class _PrivateTraining:
                                 result.regularization_loss)]
     self.compiled_loss(y, result.outputs, sample_weight,
                        regularization_losses=regularization)
-    return self.compute_metrics(x, y, result.outputs, sample_weight)
+    logs = self.compute_metrics(x, y, result.outputs, sample_weight)
+    # Examples of this (global) batch whose gradient was not finite and was
+    # left out: a training metric, not covered by epsilon.
+    logs['dropped_records'] = noise.replica_sum([result.dropped_records])[0]
+    return logs
 
   def _privatize(self, optimizer, per_example_grads, var_list):
     records = per_example.microbatch_means(
@@ -260,7 +265,9 @@ class DPModel(_PrivateTraining, tf.keras.Model):
         `fit`'s logs, progress bar and History hold only what callbacks add
         (e.g. `tfdpx.keras.PrivacyCallback`'s epsilon). True (Keras's
         behaviour) logs the loss and metrics of each private training batch,
-        which the reported epsilon does not cover.
+        and `dropped_records` (how many of its examples had a non-finite
+        gradient and were left out), which the reported epsilon does not
+        cover.
       **kwargs: as `tf.keras.Model`.
 
     Raises:
