@@ -111,6 +111,8 @@ def test_statement_requires_and_names_its_sampling():
                                  expected_batch_size=1, delta=1e-5)
   with pytest.raises(ValueError, match='sampling'):
     _statement(gaussian(1.0, 1.0), 'random')
+  with pytest.raises(ValueError, match='expected_batch_size'):
+    _statement(gaussian(1.0, 1.0), 'shuffle', expected_batch_size=5000)
 
 
 # The demo's settings: n = 4000, batch 250, 5 epochs, delta 1e-5, the noise

@@ -154,9 +154,9 @@ def _inverse_square_noise(event) -> Optional[float]:
     return math.inf if z == 0 else z**-2  # inf**-2 == 0.0.
   if isinstance(event, dp_accounting.SelfComposedDpEvent):
     part = _inverse_square_noise(event.event)
-    if part is None or event.count == 0:
-      return None if part is None else 0.0
-    return event.count * part
+    if part is None:
+      return None
+    return 0.0 if event.count == 0 else event.count * part  # Not 0 * inf.
   if isinstance(event, dp_accounting.ComposedDpEvent):
     parts = [_inverse_square_noise(e) for e in event.events]
     return None if None in parts else math.fsum(parts)
@@ -233,11 +233,8 @@ def training_event(
       Poisson sampling).
   """
   steps = _steps_of(source, steps)
-  if not 0 < sampling_probability <= 1:
-    raise ValueError(
-        f'sampling_probability must be in (0, 1], got {sampling_probability!r}')
+  q = _checked_sampling_probability(sampling_probability)
   _refuse_microbatches_under_poisson(source)
-  q = float(sampling_probability)
   return _group_runs(
       _poisson_sampled(q, event) for event in _step_events(source, 0, steps))
 
@@ -283,6 +280,21 @@ def epsilon(
 def _check_delta(delta):
   if not 0 < delta < 1:
     raise ValueError(f'delta must be in (0, 1), got {delta!r}')
+
+
+def _checked_sampling_probability(sampling_probability) -> float:
+  if not 0 < sampling_probability <= 1:
+    raise ValueError(
+        f'sampling_probability must be in (0, 1], got {sampling_probability!r}')
+  return float(sampling_probability)
+
+
+def _checked_steps_per_epoch(steps_per_epoch) -> int:
+  if (isinstance(steps_per_epoch, bool) or
+      int(steps_per_epoch) != steps_per_epoch or steps_per_epoch < 1):
+    raise ValueError(
+        f'steps_per_epoch must be an integer >= 1, got {steps_per_epoch!r}')
+  return int(steps_per_epoch)
 
 
 def _rdp_epsilon(event, orders, delta) -> float:
@@ -377,11 +389,7 @@ def epsilon_once_per_epoch(
   """
   _check_delta(delta)
   steps = _steps_of(source, steps)
-  if (isinstance(steps_per_epoch, bool) or
-      int(steps_per_epoch) != steps_per_epoch or steps_per_epoch < 1):
-    raise ValueError(
-        f'steps_per_epoch must be an integer >= 1, got {steps_per_epoch!r}')
-  steps_per_epoch = int(steps_per_epoch)
+  steps_per_epoch = _checked_steps_per_epoch(steps_per_epoch)
   epochs = (_worst_step(_step_events(source, start,
                                      min(start + steps_per_epoch, steps)))
             for start in range(0, steps, steps_per_epoch))
@@ -417,9 +425,7 @@ def check_accounting_arguments(sampling: str, *, delta: float,
       raise ValueError(
           "sampling='poisson' needs sampling_probability (expected batch "
           'size / number of examples)')
-    if not 0 < sampling_probability <= 1:
-      raise ValueError('sampling_probability must be in (0, 1], got '
-                       f'{sampling_probability!r}')
+    _checked_sampling_probability(sampling_probability)
   elif sampling == 'shuffle':
     if sampling_probability is not None:
       raise ValueError(
@@ -429,10 +435,7 @@ def check_accounting_arguments(sampling: str, *, delta: float,
       raise ValueError(
           "sampling='shuffle' needs steps_per_epoch (steps of one pass over "
           'the data, e.g. n // batch_size)')
-    if (isinstance(steps_per_epoch, bool) or
-        int(steps_per_epoch) != steps_per_epoch or steps_per_epoch < 1):
-      raise ValueError('steps_per_epoch must be an integer >= 1, got '
-                       f'{steps_per_epoch!r}')
+    _checked_steps_per_epoch(steps_per_epoch)
   else:
     raise ValueError(
         f'sampling must be one of {SAMPLING_ASSUMPTIONS}, got {sampling!r}')
@@ -568,6 +571,10 @@ def privacy_statement(
   q = expected_batch_size / num_examples
   steps = _steps_of(source, steps)
   if sampling == 'shuffle':
+    if expected_batch_size > num_examples:
+      raise ValueError(
+          f'expected_batch_size={expected_batch_size} is larger than '
+          f'num_examples={num_examples}: no full shuffled batch')
     sampling_arguments = {
         'steps_per_epoch': int(num_examples // expected_batch_size)}
   else:

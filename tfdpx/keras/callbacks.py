@@ -47,18 +47,20 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
     accounting.check_accounting_arguments(
         sampling, delta=delta, sampling_probability=sampling_probability,
         steps_per_epoch=steps_per_epoch)
-    self.sampling = dict(sampling=sampling,
-                         sampling_probability=sampling_probability,
-                         steps_per_epoch=steps_per_epoch)
+    self.sampling_arguments = dict(sampling=sampling,
+                                   sampling_probability=sampling_probability,
+                                   steps_per_epoch=steps_per_epoch)
     self.delta = delta
 
-  def _epsilon(self):
+  def _epsilon(self, steps=None):
     return accounting.epsilon_for_sampling(
-        _dp_optimizer(self.model, 'PrivacyCallback'), delta=self.delta,
-        **self.sampling)
+        _dp_optimizer(self.model, 'PrivacyCallback'), steps=steps,
+        delta=self.delta, **self.sampling_arguments)
 
   def on_train_begin(self, logs=None):
-    self._epsilon()  # Refuses an optimizer it cannot account, before a step.
+    # Refuses an optimizer it cannot account before the first step (steps=0
+    # leaves the optimizer's step counter to be created by the first step).
+    self._epsilon(steps=0)
 
   def on_epoch_end(self, epoch, logs=None):
     if logs is not None:
@@ -94,9 +96,9 @@ class EpsilonBudget(tf.keras.callbacks.Callback):
         sampling, delta=delta, sampling_probability=sampling_probability,
         steps_per_epoch=steps_per_epoch)
     self.target_epsilon = target_epsilon
-    self.sampling = dict(sampling=sampling,
-                         sampling_probability=sampling_probability,
-                         steps_per_epoch=steps_per_epoch)
+    self.sampling_arguments = dict(sampling=sampling,
+                                   sampling_probability=sampling_probability,
+                                   steps_per_epoch=steps_per_epoch)
     self.delta = delta
     self.stopped_at_step = None
     self._execution_steps = 1
@@ -112,7 +114,7 @@ class EpsilonBudget(tf.keras.callbacks.Callback):
     steps = int(optimizer.dp_steps.numpy()) + max(
         self._execution_steps, self._compiled_steps_per_execution())
     return accounting.epsilon_for_sampling(
-        optimizer, steps=steps, delta=self.delta, **self.sampling)
+        optimizer, steps=steps, delta=self.delta, **self.sampling_arguments)
 
   def on_train_begin(self, logs=None):
     if getattr(self.model, 'autotune_steps_per_execution', False):
