@@ -143,18 +143,24 @@ def test_shuffle_epsilon_is_tensorflow_privacy_once_per_epoch_figure():
   assert got == pytest.approx(expected, rel=1e-9)
   statement = accounting.privacy_statement(gaussian(1.0, z), sampling='shuffle',
                                            steps=80, **DEMO)
-  headline, = [line for line in statement.splitlines()
-               if line.lstrip().startswith('epsilon')]
-  assert headline.endswith(': 9.465')
+  assert _headline(statement).endswith(': 9.465')
   assert 'aside: epsilon 2.998 assuming Poisson sampling' in statement
-  # A partial last epoch counts as an epoch; the statement rounds
-  # n / batch down (more epochs, never fewer).
-  assert accounting.epsilon_once_per_epoch(
-      gaussian(1.0, z), steps=81, steps_per_epoch=16, delta=1e-5) > got
-  assert 'epsilon (RDP accountant, each example occurring once per epoch, no ' \
-      'amplification by sampling): 9.465' in accounting.privacy_statement(
-          gaussian(1.0, z), sampling='shuffle', steps=80,
-          **{**DEMO, 'num_examples': 4249})
+  # A partial last epoch counts as an epoch, and the statement rounds n / batch
+  # down: 85 steps at n = 4249 are 6 epochs of 16 steps (not 5 of 17).
+  six_epochs = accounting.epsilon_once_per_epoch(
+      gaussian(1.0, z), steps=85, steps_per_epoch=16, delta=1e-5)
+  assert six_epochs > accounting.epsilon_once_per_epoch(
+      gaussian(1.0, z), steps=85, steps_per_epoch=17, delta=1e-5)
+  assert _headline(accounting.privacy_statement(
+      gaussian(1.0, z), sampling='shuffle', steps=85,
+      **{**DEMO, 'num_examples': 4249})).endswith(f': {six_epochs:.4g}')
+
+
+def _headline(statement):
+  """The line of the statement that gives the epsilon."""
+  line, = [line for line in statement.splitlines()
+           if line.lstrip().startswith('epsilon')]
+  return line
 
 
 class _Steps(core.Privatizer):
@@ -308,10 +314,8 @@ def test_statement_of_a_known_noise_seed_says_not_private():
   optimizer = tfdpx.keras.DPSGD(l2_norm_clip=1.0, noise_multiplier=NOISE,
                                 expected_batch_size=250, noise_seed=0)
   for sampling in ('poisson', 'shuffle'):
-    statement = _statement(optimizer, sampling)
-    headline, = [line for line in statement.splitlines()
-                 if line.lstrip().startswith('epsilon')]
-    assert headline.endswith('NOT PRIVATE: the noise seed is known')
+    assert _headline(_statement(optimizer, sampling)).endswith(
+        'NOT PRIVATE: the noise seed is known')
 
 
 @pytest.mark.parametrize('kwargs, match', [

@@ -51,13 +51,6 @@ def test_privacy_callback_logs_the_epsilon_of_its_sampling(sampling):
   assert logged[0] < logged[1] < logged[2]
 
 
-def test_shuffled_epsilon_is_the_once_per_epoch_bound():
-  shuffle = {'sampling': 'shuffle', 'steps_per_epoch': 4}
-  assert _epsilon(12, shuffle) == accounting.epsilon_once_per_epoch(
-      gaussian(1.0, NOISE), steps=12, steps_per_epoch=4, delta=DELTA)
-  assert _epsilon(12, shuffle) > _epsilon(12, POISSON)
-
-
 @pytest.mark.parametrize('callback', [
     lambda **kw: tfdpx.keras.PrivacyCallback(**kw),
     lambda **kw: tfdpx.keras.EpsilonBudget(5.0, **kw),
