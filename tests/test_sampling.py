@@ -1,44 +1,104 @@
 """Poisson sampling with fixed-shape masked batches."""
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tfdpx
+from tests import stats
 from tfdpx import sampling
 
 
-def _batches(seed, steps=200, n=100, q=0.1):
-  x = np.arange(n, dtype=np.float32)[:, None]
-  y = np.arange(n, dtype=np.int32)
-  return list(sampling.poisson_batches(x, y, sampling_probability=q,
-                                       steps=steps, seed=seed))
+def _dataset(seed, steps=200, n=100, q=0.1):
+  x = np.arange(1, n + 1, dtype=np.float32)[:, None]  # No example is zero.
+  y = np.arange(1, n + 1, dtype=np.int32)
+  return sampling.poisson_batches(x, y, sampling_probability=q, steps=steps,
+                                  seed=seed)
 
 
-def test_batches_have_one_shape_and_binomial_sizes():
-  batches = _batches(0)
+def _iterations(dataset, count=2):
+  """`count` iterations over `dataset`, as `fit` makes one per epoch."""
+  return [[tuple(t.numpy() for t in batch) for batch in dataset]
+          for _ in range(count)]
+
+
+def _members(batch):
+  """The indices of the examples sampled into `batch`."""
+  x, _, w = batch
+  return set(x[w > 0, 0].astype(int) - 1)
+
+
+@pytest.mark.parametrize('seed', [0, None])
+def test_every_iteration_has_one_shape_and_binomial_sizes(seed):
   size = sampling.max_batch_size(100, 0.1)
-  assert all(b[0].shape == (size, 1) and b[2].shape == (size,)
-             for b in batches)
-  counts = np.array([b[2].numpy().sum() for b in batches])
-  # Binomial(100, 0.1): mean 10, variance 9; 200 draws.
-  assert abs(counts.mean() - 10) < 5 * 3 / np.sqrt(200)
-  assert abs(counts.var() / 9 - 1) < 5 * np.sqrt(2 / 199)
+  for batches in _iterations(_dataset(seed)):
+    assert all(b[0].shape == (size, 1) and b[2].shape == (size,)
+               for b in batches)
+    counts = np.array([b[2].sum() for b in batches])
+    # Binomial(100, 0.1): mean 10, variance 9; 200 draws.
+    assert abs(counts.mean() - 10) < stats.Z * 3 / np.sqrt(200)
+    assert abs(counts.var() / 9 - 1) < stats.Z * np.sqrt(2 / 199)
 
 
-def test_each_example_is_sampled_with_probability_q():
-  batches = _batches(1, steps=400)
-  hits = np.zeros(100)
-  for x, _, w in batches:
-    np.add.at(hits, x.numpy()[:, 0].astype(int), w.numpy())
-  # Each count is Binomial(400, 0.1): sd 6.
-  assert np.all(np.abs(hits - 40) < 5 * 6)
+def test_each_example_is_sampled_with_probability_q_in_every_iteration():
+  for batches in _iterations(_dataset(1, steps=400)):
+    hits = np.zeros(100)
+    for batch in batches:
+      hits[list(_members(batch))] += 1
+    # Each count is Binomial(400, 0.1): sd 6.
+    assert np.all(np.abs(hits - 40) < stats.Z * 6)
 
 
-def test_sampling_is_a_function_of_the_seed():
-  first, again, other = _batches(2, 5), _batches(2, 5), _batches(3, 5)
-  for a, b in zip(first, again):
-    np.testing.assert_array_equal(a[0], b[0])
-  assert any(not np.array_equal(a[2], c[2]) for a, c in zip(first, other))
+@pytest.mark.parametrize('seed', [1, None])
+def test_iterations_draw_independent_samples(seed):
+  """Keras re-iterates the dataset each epoch: the batches must be new."""
+  first, second = _iterations(_dataset(seed))
+  overlaps = np.array([len(_members(a) & _members(b))
+                       for a, b in zip(first, second)])
+  # Independent: each example is in both batches of a step with probability
+  # q^2, so an overlap is Binomial(100, 0.01): mean 1, variance 0.99. (The
+  # same batches again would give a mean of 10.)
+  assert abs(overlaps.mean() - 1) < stats.Z * np.sqrt(0.99 / len(overlaps))
+
+
+def test_a_known_seed_reproduces_every_iteration():
+  first, again = _iterations(_dataset(2, 5)), _iterations(_dataset(2, 5))
+  other = _iterations(_dataset(3, 5))
+  for iteration, iteration_again in zip(first, again):
+    for a, b in zip(iteration, iteration_again):
+      np.testing.assert_array_equal(a[0], b[0])
+  assert any(not np.array_equal(a[2], c[2])
+             for a, c in zip(first[0], other[0]))
+  assert any(not np.array_equal(a[0], b[0])
+             for a, b in zip(first[0], first[1]))
+
+
+def test_without_a_seed_each_dataset_has_its_own_secret():
+  a, = _iterations(_dataset(None, 5), 1)
+  b, = _iterations(_dataset(None, 5), 1)
+  assert any(not np.array_equal(u[0], v[0]) for u, v in zip(a, b))
+
+
+def test_the_secret_has_at_least_64_bits_of_os_entropy():
+  draws = [sampling.secret_entropy() for _ in range(32)]
+  assert len(set(draws)) == len(draws)
+  # 128 uniform bits: each draw is below 2**64 with probability 2**-64.
+  assert all(isinstance(d, int) and 2**64 <= d < 2**128 for d in draws)
+
+
+def test_padding_rows_are_zeros_with_zero_weight():
+  for batches in _iterations(_dataset(5, steps=20)):
+    for x, y, w in batches:
+      k = int(w.sum())
+      assert 0 < k < len(w)
+      np.testing.assert_array_equal(w, np.r_[np.ones(k), np.zeros(len(w) - k)])
+      assert np.all(x[k:] == 0) and np.all(y[k:] == 0)
+      assert np.all(x[:k] > 0)
+
+
+def test_a_bad_seed_is_named():
+  with pytest.raises(ValueError, match='seed'):
+    _dataset(-1)
 
 
 def test_padding_contributes_nothing_and_the_denominator_is_expected():

@@ -2,17 +2,25 @@
 
 Everything here is host-side Python over `dp_accounting` (RDP). The training
 event is built only from `dp_event(step)` of the privatizer (or optimizer) that
-added the noise; nothing here rebuilds an event from hyperparameters.
+added the noise; nothing here rebuilds an event from hyperparameters. Every
+step event is validated and normalized (`normalized_event`) before it is
+composed.
 
-Sampling assumption: `sampling_probability` is the probability of each example
-to be in a batch under Poisson sampling. Keras `fit` over shuffled fixed-size
-batches is not Poisson sampling; the Poisson epsilon is then the customary
-approximation, not a proven bound (see `privacy_statement`).
+Sampling is an explicit choice (`SAMPLING_ASSUMPTIONS`):
+
+- 'poisson': each example joins each batch independently with probability
+  `sampling_probability` (`tfdpx.sampling.poisson_batches`); `epsilon` is the
+  RDP bound with amplification by subsampling.
+- 'shuffle': fixed-size batches from a shuffled pass over the data (Keras'
+  default `fit`); `epsilon_once_per_epoch` is the bound with each example in
+  one step of each epoch and no amplification, as tensorflow-privacy's
+  `compute_dp_sgd_privacy_statement` states it ("Epsilon with each example
+  occurring once per epoch").
 """
 
 import functools
 import math
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import dp_accounting
 from dp_accounting import rdp
@@ -22,6 +30,11 @@ import numpy as np
 from tfdpx import core
 
 SAMPLING_ASSUMPTIONS = ('poisson', 'shuffle')
+
+# Step events tfdpx can account; anything else is refused by name.
+_NORMALIZED_TYPES = (
+    'GaussianDpEvent', 'ComposedDpEvent', 'SelfComposedDpEvent',
+    'PoissonSampledDpEvent', 'NoOpDpEvent', 'NonPrivateDpEvent')
 
 
 def _events_of(source):
@@ -35,13 +48,176 @@ def _events_of(source):
       f'{type(source).__name__}')
 
 
+def _steps_of(source, steps: Optional[int]) -> int:
+  """`steps`, or for an optimizer by default the steps it has privatized."""
+  if steps is None:
+    if not hasattr(source, 'dp_steps'):
+      raise ValueError('steps is required for a privatizer')
+    steps = int(source.dp_steps.numpy())
+  if int(steps) != steps or steps < 0:
+    raise ValueError(f'steps must be a non-negative integer, got {steps!r}')
+  return int(steps)
+
+
+def normalized_event(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
+  """`event` validated, with Python numbers, as `dp_accounting` needs them.
+
+  dp-accounting 0.4.3 silently uses only the first of several Gaussian noise
+  multipliers inside a `ComposedDpEvent` under `PoissonSampledDpEvent` when
+  they are `numpy.float32` or `int`, and reports a smaller epsilon; every
+  number is therefore converted here: noise multipliers and sampling
+  probabilities to `float`, counts to `int`, recursively through Composed,
+  SelfComposed and PoissonSampled events.
+
+  Args:
+    event: a step event. Accepted kinds: `GaussianDpEvent` (noise multiplier
+      >= 0, `inf` allowed), `ComposedDpEvent`, `SelfComposedDpEvent` (count an
+      integer >= 0), `PoissonSampledDpEvent` (probability in [0, 1]),
+      `NoOpDpEvent`, `NonPrivateDpEvent`. Other kinds (Laplace, sampling
+      without replacement, tree aggregation, ...) are refused rather than
+      converted: their fields and adjacency differ and none of tfdpx's noise
+      steps produces them.
+
+  Returns:
+    An equal event built from Python `float` and `int`.
+
+  Raises:
+    ValueError: naming the event, for another kind of event or a bad number.
+  """
+  if isinstance(event, (dp_accounting.NoOpDpEvent,
+                        dp_accounting.NonPrivateDpEvent)):
+    return event
+  if isinstance(event, dp_accounting.GaussianDpEvent):
+    z = _number(event, 'noise_multiplier', event.noise_multiplier)
+    if not z >= 0:  # Also NaN.
+      raise ValueError(f'{event!r}: noise_multiplier must be >= 0')
+    return dp_accounting.GaussianDpEvent(z)
+  if isinstance(event, dp_accounting.PoissonSampledDpEvent):
+    q = _number(event, 'sampling_probability', event.sampling_probability)
+    if not 0 <= q <= 1:
+      raise ValueError(f'{event!r}: sampling_probability must be in [0, 1]')
+    return dp_accounting.PoissonSampledDpEvent(q,
+                                               normalized_event(event.event))
+  if isinstance(event, dp_accounting.SelfComposedDpEvent):
+    count = _number(event, 'count', event.count)
+    if not math.isfinite(count) or count != int(count):
+      raise ValueError(f'{event!r}: count must be an integer')
+    if count < 0:
+      raise ValueError(f'{event!r}: count must be >= 0')
+    return dp_accounting.SelfComposedDpEvent(normalized_event(event.event),
+                                             int(count))
+  if isinstance(event, dp_accounting.ComposedDpEvent):
+    return dp_accounting.ComposedDpEvent(
+        [normalized_event(e) for e in event.events])
+  raise ValueError(
+      f'cannot account {event!r}: tfdpx accounts steps made of '
+      f'{", ".join(_NORMALIZED_TYPES)}')
+
+
+def _number(event, field, value) -> float:
+  """`value` as a float; numpy and TensorFlow scalars pass, text does not."""
+  try:
+    if isinstance(value, (str, bytes, bool)):
+      raise TypeError
+    return float(value)
+  except (TypeError, ValueError):
+    raise ValueError(f'{event!r}: {field} must be a number') from None
+
+
+def _step_events(source, start: int, stop: int) -> List[dp_accounting.DpEvent]:
+  """The normalized events of steps `start, ..., stop - 1` of `source`."""
+  dp_event = _events_of(source)
+  events = []
+  for step in range(start, stop):
+    try:
+      events.append(normalized_event(dp_event(step)))
+    except ValueError as e:
+      raise ValueError(f'{source!r}, dp_event({step}): {e}') from None
+  return events
+
+
+def _inverse_square_noise(event) -> Optional[float]:
+  """Sum of `z**-2` over the Gaussian releases of one batch in `event`.
+
+  Several Gaussian releases of the same batch are exactly one Gaussian release
+  with `z_eff = (sum z_i**-2)**-0.5` (the rule `dp_accounting` applies under
+  Poisson sampling). 0 means nothing is released, `inf` a release without
+  noise. None if `event` holds anything but Gaussian, NoOp and NonPrivate
+  events (composed or self-composed). `event` must be normalized.
+  """
+  if isinstance(event, dp_accounting.NoOpDpEvent):
+    return 0.0
+  if isinstance(event, dp_accounting.NonPrivateDpEvent):
+    return math.inf
+  if isinstance(event, dp_accounting.GaussianDpEvent):
+    z = event.noise_multiplier
+    return math.inf if z == 0 else z**-2  # inf**-2 == 0.0.
+  if isinstance(event, dp_accounting.SelfComposedDpEvent):
+    part = _inverse_square_noise(event.event)
+    if part is None:
+      return None
+    return 0.0 if event.count == 0 else event.count * part  # Not 0 * inf.
+  if isinstance(event, dp_accounting.ComposedDpEvent):
+    parts = [_inverse_square_noise(e) for e in event.events]
+    return None if None in parts else math.fsum(parts)
+  return None
+
+
+def _gaussian_event(inverse_square: float) -> dp_accounting.DpEvent:
+  """The one event equivalent to Gaussian releases with this `sum z**-2`."""
+  if inverse_square == 0:
+    return dp_accounting.NoOpDpEvent()
+  if math.isinf(inverse_square):
+    return dp_accounting.NonPrivateDpEvent()
+  return dp_accounting.GaussianDpEvent(inverse_square**-0.5)
+
+
+def _group_runs(events) -> dp_accounting.ComposedDpEvent:
+  """Consecutive equal events as one `SelfComposedDpEvent` each."""
+  runs = []  # [event, count]
+  for event in events:
+    if runs and runs[-1][0] == event:
+      runs[-1][1] += 1
+    else:
+      runs.append([event, 1])
+  return dp_accounting.ComposedDpEvent(
+      [dp_accounting.SelfComposedDpEvent(e, count) for e, count in runs])
+
+
+def _refuse_microbatches_under_poisson(source):
+  if getattr(source, 'records_are_microbatches', False):
+    raise ValueError(
+        'num_microbatches: this optimizer averages microbatches of rows, and '
+        'under Poisson sampling adding or removing one example shifts the '
+        'rows of the batch and changes many microbatch records, so no '
+        'Poisson-sampling epsilon bounds it. Use num_microbatches=None (one '
+        'record per example) with Poisson sampling, or train on shuffled '
+        "fixed-size batches and account with sampling='shuffle'.")
+
+
+def _poisson_sampled(q: float, event) -> dp_accounting.DpEvent:
+  """`event` (normalized) run on a Poisson sample with probability `q`."""
+  inverse_square = _inverse_square_noise(event)
+  if inverse_square is None:
+    raise ValueError(
+        f'{event!r}: the RDP accountant can Poisson-sample only Gaussian '
+        'releases (composed or not)')
+  event = _gaussian_event(inverse_square)
+  if not isinstance(event, dp_accounting.GaussianDpEvent):
+    return event  # Nothing released, or not private even when subsampled.
+  return dp_accounting.PoissonSampledDpEvent(q, event)
+
+
 def training_event(
     source, *, steps: int, sampling_probability: float
 ) -> dp_accounting.DpEvent:
   """The event of `steps` Poisson-sampled steps of `source`.
 
-  Consecutive equal step events are grouped into one `SelfComposedDpEvent`,
-  so a constant schedule costs one RDP evaluation.
+  Each step event is normalized (`normalized_event`); Gaussian releases of
+  one step are combined into one Gaussian event (infinite noise: `NoOpDpEvent`,
+  zero noise: `NonPrivateDpEvent`); consecutive equal step events are grouped
+  into one `SelfComposedDpEvent`, so a constant schedule costs one RDP
+  evaluation.
 
   Args:
     source: a privatizer or a tfdpx optimizer (`dp_event(step)`).
@@ -52,27 +228,15 @@ def training_event(
     A `ComposedDpEvent` over runs of equal step events.
 
   Raises:
-    ValueError: for a bad `steps` or `sampling_probability`.
+    ValueError: for a bad `steps`, `sampling_probability` or step event, or
+      for an optimizer with `num_microbatches` records (not boundable under
+      Poisson sampling).
   """
-  if int(steps) != steps or steps < 0:
-    raise ValueError(f'steps must be a non-negative integer, got {steps!r}')
-  if not 0 < sampling_probability <= 1:
-    raise ValueError(
-        f'sampling_probability must be in (0, 1], got {sampling_probability!r}')
-  dp_event = _events_of(source)
-  runs = []  # [event, count]
-  for step in range(int(steps)):
-    event = dp_event(step)
-    if runs and runs[-1][0] == event:
-      runs[-1][1] += 1
-    else:
-      runs.append([event, 1])
-  q = float(sampling_probability)
-  return dp_accounting.ComposedDpEvent([
-      dp_accounting.SelfComposedDpEvent(
-          dp_accounting.PoissonSampledDpEvent(q, event), count)
-      for event, count in runs
-  ])
+  steps = _steps_of(source, steps)
+  q = _checked_sampling_probability(sampling_probability)
+  _refuse_microbatches_under_poisson(source)
+  return _group_runs(
+      _poisson_sampled(q, event) for event in _step_events(source, 0, steps))
 
 
 def epsilon(
@@ -98,25 +262,45 @@ def epsilon(
     Epsilon, `inf` if any step is not private.
 
   Raises:
-    ValueError: for a bad argument, naming it.
+    ValueError: for a bad argument, naming it; for an optimizer with
+      `num_microbatches` records (see `training_event`).
   """
-  if not 0 < delta < 1:
-    raise ValueError(f'delta must be in (0, 1), got {delta!r}')
-  if steps is None:
-    if not hasattr(source, 'dp_steps'):
-      raise ValueError('steps is required for a privatizer')
-    steps = int(source.dp_steps.numpy())
+  _check_delta(delta)
   event = training_event(source, steps=steps,
                          sampling_probability=sampling_probability)
   orders = tuple(orders if orders is not None
                  else rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
   total = _cached_rdp(event, orders)
   if total is None:
-    accountant = rdp.RdpAccountant(list(orders))
-    accountant.compose(event)
-    return float(accountant.get_epsilon(delta))
+    return _rdp_epsilon(event, orders, delta)
   eps, _ = rdp_privacy_accountant.compute_epsilon(orders, total, delta)
   return float(eps)
+
+
+def _check_delta(delta):
+  if not 0 < delta < 1:
+    raise ValueError(f'delta must be in (0, 1), got {delta!r}')
+
+
+def _checked_sampling_probability(sampling_probability) -> float:
+  if not 0 < sampling_probability <= 1:
+    raise ValueError(
+        f'sampling_probability must be in (0, 1], got {sampling_probability!r}')
+  return float(sampling_probability)
+
+
+def _checked_steps_per_epoch(steps_per_epoch) -> int:
+  if (isinstance(steps_per_epoch, bool) or
+      int(steps_per_epoch) != steps_per_epoch or steps_per_epoch < 1):
+    raise ValueError(
+        f'steps_per_epoch must be an integer >= 1, got {steps_per_epoch!r}')
+  return int(steps_per_epoch)
+
+
+def _rdp_epsilon(event, orders, delta) -> float:
+  accountant = rdp.RdpAccountant(list(orders))
+  accountant.compose(event)
+  return float(accountant.get_epsilon(delta))
 
 
 @functools.lru_cache(maxsize=256)
@@ -140,13 +324,159 @@ def _cached_rdp(event, orders):
   total = np.zeros(len(orders))
   for run in event.events:
     sampled = run.event
+    if isinstance(sampled, dp_accounting.NoOpDpEvent):
+      continue
     if not (isinstance(sampled, dp_accounting.PoissonSampledDpEvent) and
             isinstance(sampled.event, dp_accounting.GaussianDpEvent)):
       return None
     total += run.count * _sampled_gaussian_rdp(
-        float(sampled.sampling_probability),
-        float(sampled.event.noise_multiplier), orders)
+        sampled.sampling_probability, sampled.event.noise_multiplier, orders)
   return total
+
+
+def _worst_step(events) -> dp_accounting.DpEvent:
+  """An event that bounds one example's cost in one epoch of `events`.
+
+  The example is in exactly one of the epoch's steps, and the adversary may
+  choose which. If every step is Gaussian, that is the step with the least
+  effective noise (exact); otherwise the composition of every step of the
+  epoch (sound: it covers any one of them, but looser).
+  """
+  inverse_squares = [_inverse_square_noise(e) for e in events]
+  if None in inverse_squares:
+    return dp_accounting.ComposedDpEvent(list(events))
+  return _gaussian_event(max(inverse_squares))
+
+
+def epsilon_once_per_epoch(
+    source,
+    *,
+    steps: Optional[int] = None,
+    steps_per_epoch: int,
+    delta: float,
+    orders: Optional[Sequence[float]] = None,
+) -> float:
+  """Epsilon of shuffled batches: each example in one step of each epoch.
+
+  This is tensorflow-privacy's "Epsilon with each example occurring once per
+  epoch" (`compute_dp_sgd_privacy_statement`): composition over epochs with no
+  amplification by sampling, for fixed-size batches from a shuffled pass (the
+  default of Keras `fit`). The run has `ceil(steps / steps_per_epoch)` epochs
+  (the last one possibly partial). An example is in one step of each epoch,
+  at a position the adversary may choose, so an epoch costs its worst step:
+  the smallest effective noise multiplier when all of its steps are Gaussian
+  releases (as every tfdpx noise step, also with a D2P2 schedule); otherwise
+  (a third-party step event of another kind) the composition of every step of
+  the epoch, which is sound but looser. A step that is not private makes
+  epsilon infinite.
+
+  Args:
+    source: a privatizer or a tfdpx optimizer (an optimizer with
+      `num_microbatches` records reports their doubled sensitivity in its
+      events).
+    steps: number of steps; for an optimizer, `None` means the steps it has
+      privatized so far.
+    steps_per_epoch: steps of one pass over the data, an integer >= 1. When in
+      doubt take fewer (more epochs): e.g. `n // batch_size`.
+    delta: target delta in (0, 1).
+    orders: RDP orders; default `dp_accounting`'s.
+
+  Returns:
+    Epsilon, `inf` if any step is not private.
+
+  Raises:
+    ValueError: for a bad argument, naming it, or a bad step event.
+  """
+  _check_delta(delta)
+  steps = _steps_of(source, steps)
+  steps_per_epoch = _checked_steps_per_epoch(steps_per_epoch)
+  epochs = (_worst_step(_step_events(source, start,
+                                     min(start + steps_per_epoch, steps)))
+            for start in range(0, steps, steps_per_epoch))
+  orders = tuple(orders if orders is not None
+                 else rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+  return _rdp_epsilon(_group_runs(epochs), orders, delta)
+
+
+def check_accounting_arguments(sampling: str, *, delta: float,
+                               sampling_probability: Optional[float] = None,
+                               steps_per_epoch: Optional[int] = None) -> None:
+  """Validates the description of how the batches were sampled, and delta.
+
+  Args:
+    sampling: 'poisson' (with `sampling_probability`) or 'shuffle' (with
+      `steps_per_epoch`).
+    delta: target delta in (0, 1).
+    sampling_probability: Poisson sampling probability q in (0, 1]; only with
+      `sampling='poisson'`.
+    steps_per_epoch: steps of one shuffled pass, an integer >= 1; only with
+      `sampling='shuffle'`.
+
+  Raises:
+    ValueError: naming the argument that is unknown, missing, extra or bad.
+  """
+  _check_delta(delta)
+  if sampling == 'poisson':
+    if steps_per_epoch is not None:
+      raise ValueError(
+          "steps_per_epoch is for sampling='shuffle'; sampling='poisson' "
+          'takes sampling_probability only')
+    if sampling_probability is None:
+      raise ValueError(
+          "sampling='poisson' needs sampling_probability (expected batch "
+          'size / number of examples)')
+    _checked_sampling_probability(sampling_probability)
+  elif sampling == 'shuffle':
+    if sampling_probability is not None:
+      raise ValueError(
+          "sampling_probability is for sampling='poisson'; sampling='shuffle' "
+          'takes steps_per_epoch only')
+    if steps_per_epoch is None:
+      raise ValueError(
+          "sampling='shuffle' needs steps_per_epoch (steps of one pass over "
+          'the data, e.g. n // batch_size)')
+    _checked_steps_per_epoch(steps_per_epoch)
+  else:
+    raise ValueError(
+        f'sampling must be one of {SAMPLING_ASSUMPTIONS}, got {sampling!r}')
+
+
+def epsilon_for_sampling(
+    source,
+    *,
+    sampling: str,
+    delta: float,
+    steps: Optional[int] = None,
+    sampling_probability: Optional[float] = None,
+    steps_per_epoch: Optional[int] = None,
+) -> float:
+  """The epsilon that holds for how the batches were sampled.
+
+  `sampling='poisson'`: `epsilon` (amplification by Poisson subsampling).
+  `sampling='shuffle'`: `epsilon_once_per_epoch` (no amplification).
+
+  Args:
+    source: a privatizer or a tfdpx optimizer.
+    sampling, delta, sampling_probability, steps_per_epoch: as in
+      `check_accounting_arguments`.
+    steps: number of steps; for an optimizer, `None` means the steps it has
+      privatized so far.
+
+  Returns:
+    Epsilon, `inf` if any step is not private.
+
+  Raises:
+    ValueError: as `check_accounting_arguments`, `epsilon` and
+      `epsilon_once_per_epoch`.
+  """
+  check_accounting_arguments(
+      sampling, delta=delta, sampling_probability=sampling_probability,
+      steps_per_epoch=steps_per_epoch)
+  if sampling == 'poisson':
+    return epsilon(source, steps=steps,
+                   sampling_probability=sampling_probability, delta=delta)
+  return epsilon_once_per_epoch(source, steps=steps,
+                                steps_per_epoch=steps_per_epoch, delta=delta)
 
 
 def calibrate_noise_multiplier(
@@ -206,37 +536,55 @@ def calibrate_noise_multiplier(
 def privacy_statement(
     source,
     *,
+    sampling: str,
     steps: Optional[int] = None,
     num_examples: int,
     expected_batch_size: float,
     delta: float,
-    sampling: str = 'poisson',
 ) -> str:
   """A human-readable privacy statement naming its assumptions.
 
+  The headline epsilon is the one that holds for `sampling`: with Poisson
+  sampling `epsilon`; with shuffled fixed-size batches `epsilon_once_per_epoch`
+  over `num_examples // expected_batch_size` steps per epoch (rounding down
+  counts more epochs, never fewer), and the Poisson figure only as a labelled
+  aside, which is not a guarantee for that run.
+
   Args:
     source: a privatizer or a tfdpx optimizer.
+    sampling: how the batches were drawn: 'poisson' (each example joins each
+      batch independently with probability q, `tfdpx.sampling.poisson_batches`)
+      or 'shuffle' (fixed-size batches from a shuffled pass, Keras' default).
     steps: number of training steps (optimizer: default its own count).
     num_examples: size n of the training set.
-    expected_batch_size: expected batch size; q = expected_batch_size / n.
+    expected_batch_size: expected batch size (the batch size for 'shuffle');
+      q = expected_batch_size / n.
     delta: target delta.
-    sampling: 'poisson' (each example joins each batch independently with
-      probability q) or 'shuffle' (fixed-size batches from a shuffled pass).
 
   Returns:
     The statement, several lines of text.
 
   Raises:
-    ValueError: for an unknown `sampling`.
+    ValueError: for an unknown `sampling`, a bad argument, or an optimizer
+      with `num_microbatches` records under Poisson sampling.
   """
-  if sampling not in SAMPLING_ASSUMPTIONS:
-    raise ValueError(
-        f'sampling must be one of {SAMPLING_ASSUMPTIONS}, got {sampling!r}')
   q = expected_batch_size / num_examples
-  if steps is None and hasattr(source, 'dp_steps'):
-    steps = int(source.dp_steps.numpy())
-  eps = epsilon(source, steps=steps, sampling_probability=q, delta=delta)
+  steps = _steps_of(source, steps)
+  if sampling == 'shuffle':
+    if expected_batch_size > num_examples:
+      raise ValueError(
+          f'expected_batch_size={expected_batch_size} is larger than '
+          f'num_examples={num_examples}: no full shuffled batch')
+    sampling_arguments = {
+        'steps_per_epoch': int(num_examples // expected_batch_size)}
+  else:
+    sampling_arguments = {'sampling_probability': q}
+  eps = epsilon_for_sampling(source, sampling=sampling, steps=steps,
+                             delta=delta, **sampling_arguments)
   privatizer = getattr(source, 'privatizer', source)
+  known_seed = ''
+  if getattr(source, 'noise_seed_is_known', False):
+    known_seed = '  NOT PRIVATE: the noise seed is known'
   lines = [
       'tfdpx privacy statement',
       f'  noise step: {privatizer!r}',
@@ -244,16 +592,38 @@ def privacy_statement(
       f'{expected_batch_size:g} (q = {q:.6g}), delta = {delta:g}',
       '  adjacency: add or remove one training example; every intermediate '
       'model is covered, not only the final one.',
-      f'  epsilon (RDP accountant, Poisson sampling): {eps:.4g}',
   ]
-  if sampling == 'poisson':
-    lines.append('  sampling: Poisson, as the accountant assumes.')
-  else:
+  microbatches = getattr(source, 'records_are_microbatches', False)
+  if microbatches:
     lines.append(
-        '  sampling: shuffled fixed-size batches. The epsilon above assumes '
-        'Poisson sampling; for shuffled batches it is the customary '
-        'approximation, not a proven upper bound. Train with Poisson sampling '
-        'for a guarantee.')
+        '  records: microbatches; one example changes one microbatch record, '
+        'so the sensitivity is doubled (accounted).')
+  if sampling == 'poisson':
+    lines += [
+        '  sampling: Poisson, as the accountant assumes.',
+        f'  epsilon (RDP accountant, Poisson sampling): {eps:.4g}{known_seed}',
+    ]
+  else:
+    steps_per_epoch = sampling_arguments['steps_per_epoch']
+    epochs = math.ceil(steps / steps_per_epoch)
+    lines += [
+        '  sampling: fixed-size batches from a shuffled pass, '
+        f'{steps_per_epoch} steps per epoch ({epochs} epochs).',
+        '  epsilon (RDP accountant, each example occurring once per epoch, no '
+        f'amplification by sampling): {eps:.4g}{known_seed}',
+    ]
+    if microbatches:
+      lines.append('  (no Poisson-sampling figure: microbatch records are not '
+                   'bounded under Poisson sampling)')
+    else:
+      poisson = epsilon(source, steps=steps, sampling_probability=q,
+                        delta=delta)
+      lines.append(
+          f'  aside: epsilon {poisson:.4g} assuming Poisson sampling, which '
+          'this run did not use: not a guarantee.')
+  lines.append(
+      '  not covered: the training-set loss and metrics that Keras logs '
+      '(see docs/privacy.md).')
   if math.isinf(eps):
     lines.append('  WARNING: at least one step is not differentially private.')
   return '\n'.join(lines)

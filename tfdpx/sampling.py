@@ -2,12 +2,13 @@
 
 Each step, every example joins the batch independently with probability q,
 which is what the RDP accountant assumes. To keep one shape (so XLA compiles
-once), a batch is padded to `max_batch_size` rows; padded rows have sample
-weight 0, so their per-example loss and gradient are exactly 0 and they add
-nothing to the clipped sum. The privatized sum is divided by the public
+once), a batch is padded to `max_batch_size` rows; padded rows are zeros with
+sample weight 0, so their per-example loss and gradient are exactly 0 and they
+add nothing to the clipped sum. The privatized sum is divided by the public
 expected batch size `q * n`, never by the realized size.
 """
 
+import itertools
 import math
 from typing import Optional
 
@@ -26,24 +27,39 @@ def max_batch_size(num_examples: int, sampling_probability: float) -> int:
                              sampling_probability)) + 1
 
 
+def secret_entropy() -> int:
+  """A fresh 128-bit secret from the operating system's entropy source."""
+  return np.random.SeedSequence().entropy
+
+
 def poisson_batches(x, y, *, sampling_probability: float, steps: int,
-                    seed: int, batch_size: Optional[int] = None
-                    ) -> tf.data.Dataset:
+                    seed: Optional[int] = None,
+                    batch_size: Optional[int] = None) -> tf.data.Dataset:
   """`steps` Poisson-sampled batches `(x, y, sample_weight)` of one shape.
+
+  Every iteration over the dataset (Keras `fit` iterates it once per epoch)
+  draws new, independent batches.
 
   Args:
     x: array of examples, `[n, ...]`.
     y: array of labels, `[n, ...]`.
     sampling_probability: q in (0, 1], each example's probability to be in a
       batch.
-    steps: number of batches.
-    seed: seed of the sampling (the sampling must be random and secret for the
-      privacy guarantee; pass a fresh one per run, e.g. from `os.urandom`).
+    steps: number of batches per iteration.
+    seed: `None` (the default and the only private choice) draws a 128-bit
+      secret from the operating system. An integer makes the sampling
+      reproducible, for experiments only: iteration `i` of the dataset then
+      depends only on `(seed, i)` (it differs between iterations). Whoever
+      knows the seed knows which steps hold each example, which removes the
+      amplification by subsampling that the Poisson epsilon relies on.
     batch_size: padded batch size; default `max_batch_size(n, q)`.
 
   Returns:
     A dataset of `steps` tuples whose `sample_weight` is 1 for sampled
-    examples and 0 for padding.
+    examples and 0 for padding rows, which are all zeros in `x` and `y`.
+
+  Raises:
+    ValueError: for a bad `sampling_probability` or `seed`.
 
   Privacy:
     A batch larger than `batch_size` would drop examples, which the
@@ -55,17 +71,26 @@ def poisson_batches(x, y, *, sampling_probability: float, steps: int,
   if not 0 < sampling_probability <= 1:
     raise ValueError(f'sampling_probability must be in (0, 1], got '
                      f'{sampling_probability!r}')
+  if seed is not None and (int(seed) != seed or seed < 0):
+    raise ValueError(f'seed must be a non-negative integer or None, got '
+                     f'{seed!r}')
+  root = secret_entropy() if seed is None else int(seed)
   size = batch_size or max_batch_size(n, sampling_probability)
   x, y = np.asarray(x), np.asarray(y)
+  iterations = itertools.count()
 
   def generate():
-    rng = np.random.default_rng(seed)
+    # A new generator per iteration of the dataset, keyed by its index.
+    rng = np.random.default_rng(
+        np.random.SeedSequence(root, spawn_key=(next(iterations),)))
     for _ in range(steps):
       chosen = np.flatnonzero(rng.random(n) < sampling_probability)[:size]
-      pad = size - len(chosen)
-      weight = np.concatenate([np.ones(len(chosen)), np.zeros(pad)])
-      index = np.concatenate([chosen, np.zeros(pad, dtype=np.int64)])
-      yield x[index], y[index], weight.astype(np.float32)
+      xb = np.zeros((size,) + x.shape[1:], x.dtype)
+      yb = np.zeros((size,) + y.shape[1:], y.dtype)
+      weight = np.zeros(size, np.float32)
+      xb[:len(chosen)], yb[:len(chosen)], weight[:len(chosen)] = (
+          x[chosen], y[chosen], 1)
+      yield xb, yb, weight
 
   signature = (
       tf.TensorSpec((size,) + x.shape[1:], tf.as_dtype(x.dtype)),

@@ -275,8 +275,8 @@ def test_privacy_callback_logs_the_epsilon_of_the_steps_taken():
   optimizer = tfdpx.keras.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.1,
                                 expected_batch_size=8, learning_rate=0.1)
   model.compile(optimizer, _loss())
-  callback = tfdpx.keras.PrivacyCallback(sampling_probability=8 / 32,
-                                         delta=1e-5)
+  callback = tfdpx.keras.PrivacyCallback(
+      sampling='poisson', sampling_probability=8 / 32, delta=1e-5)
   history = model.fit(x, y, batch_size=8, epochs=2, verbose=0,
                       callbacks=[callback])
   for epoch, logged in enumerate(history.history['epsilon']):

@@ -1,8 +1,25 @@
-"""Keras callbacks that report privacy."""
+"""Keras callbacks that report privacy.
+
+Both take the sampling of the batches explicitly: `sampling='poisson'` with
+`sampling_probability=q` (`tfdpx.sampling.poisson_batches`), or
+`sampling='shuffle'` with `steps_per_epoch` (fixed-size batches from a
+shuffled pass, Keras' default); `tfdpx.accounting.epsilon_for_sampling` then
+gives the epsilon that holds for it.
+"""
+
+from typing import Optional
 
 import tensorflow as tf
 
 from tfdpx import accounting
+
+
+def _dp_optimizer(model, callback):
+  optimizer = model.optimizer
+  if not hasattr(optimizer, 'dp_steps'):
+    raise ValueError(f'{callback} needs a tfdpx optimizer, got '
+                     f'{type(optimizer).__name__}')
+  return optimizer
 
 
 class PrivacyCallback(tf.keras.callbacks.Callback):
@@ -12,64 +29,108 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
   its events (`dp_event`), so a resumed run continues its ledger.
   """
 
-  def __init__(self, *, sampling_probability: float, delta: float):
+  def __init__(self, *, sampling: str, delta: float,
+               sampling_probability: Optional[float] = None,
+               steps_per_epoch: Optional[int] = None):
     """Args:
-      sampling_probability: Poisson sampling probability q = batch / n (with
-        shuffled fixed-size batches the reported epsilon is the Poisson
-        approximation; see `tfdpx.accounting.privacy_statement`).
+      sampling: 'poisson' or 'shuffle', how the batches are drawn.
       delta: target delta.
+      sampling_probability: with `sampling='poisson'` only: q = expected
+        batch size / n.
+      steps_per_epoch: with `sampling='shuffle'` only: steps of one pass over
+        the data (`n // batch_size` for `drop_remainder` batches).
+
+    Raises:
+      ValueError: naming a missing, extra or bad argument.
     """
     super().__init__()
-    if not 0 < sampling_probability <= 1:
-      raise ValueError(f'sampling_probability must be in (0, 1], got '
-                       f'{sampling_probability!r}')
-    if not 0 < delta < 1:
-      raise ValueError(f'delta must be in (0, 1), got {delta!r}')
-    self.sampling_probability = sampling_probability
+    accounting.check_accounting_arguments(
+        sampling, delta=delta, sampling_probability=sampling_probability,
+        steps_per_epoch=steps_per_epoch)
+    self.sampling_arguments = dict(sampling=sampling,
+                                   sampling_probability=sampling_probability,
+                                   steps_per_epoch=steps_per_epoch)
     self.delta = delta
 
+  def _epsilon(self, steps=None):
+    return accounting.epsilon_for_sampling(
+        _dp_optimizer(self.model, 'PrivacyCallback'), steps=steps,
+        delta=self.delta, **self.sampling_arguments)
+
+  def on_train_begin(self, logs=None):
+    # Refuses an optimizer it cannot account before the first step (steps=0
+    # leaves the optimizer's step counter to be created by the first step).
+    self._epsilon(steps=0)
+
   def on_epoch_end(self, epoch, logs=None):
-    optimizer = self.model.optimizer
-    if not hasattr(optimizer, 'dp_steps'):
-      raise ValueError('PrivacyCallback needs a tfdpx optimizer, got '
-                       f'{type(optimizer).__name__}')
     if logs is not None:
-      logs['epsilon'] = accounting.epsilon(
-          optimizer, sampling_probability=self.sampling_probability,
-          delta=self.delta)
+      logs['epsilon'] = self._epsilon()
 
 
 class EpsilonBudget(tf.keras.callbacks.Callback):
-  """Stops training before the next step would take epsilon above a budget.
+  """Stops training before the next execution would take epsilon past a budget.
 
-  After every batch it computes the epsilon of one more step (from the
-  optimizer's `dp_steps` and events); if that exceeds `target_epsilon`, it
-  sets `model.stop_training`, so the reported epsilon never exceeds the budget.
+  Keras calls batch callbacks once per execution of `steps_per_execution`
+  steps (`compile`). After every execution this computes the epsilon after
+  one more full execution (from the optimizer's `dp_steps` and events); if
+  that exceeds `target_epsilon` it sets `model.stop_training`, so epsilon
+  never exceeds the budget. It may stop up to `steps_per_execution - 1` steps
+  earlier than necessary.
   """
 
-  def __init__(self, target_epsilon: float, *, sampling_probability: float,
-               delta: float):
+  def __init__(self, target_epsilon: float, *, sampling: str, delta: float,
+               sampling_probability: Optional[float] = None,
+               steps_per_epoch: Optional[int] = None):
+    """Args:
+      target_epsilon: the budget, > 0.
+      sampling, delta, sampling_probability, steps_per_epoch: as in
+        `PrivacyCallback`.
+
+    Raises:
+      ValueError: naming a missing, extra or bad argument.
+    """
     super().__init__()
     if not target_epsilon > 0:
       raise ValueError(f'target_epsilon must be > 0, got {target_epsilon!r}')
+    accounting.check_accounting_arguments(
+        sampling, delta=delta, sampling_probability=sampling_probability,
+        steps_per_epoch=steps_per_epoch)
     self.target_epsilon = target_epsilon
-    self.sampling_probability = sampling_probability
+    self.sampling_arguments = dict(sampling=sampling,
+                                   sampling_probability=sampling_probability,
+                                   steps_per_epoch=steps_per_epoch)
     self.delta = delta
     self.stopped_at_step = None
+    self._execution_steps = 1
 
-  def _next_step_exceeds(self):
-    optimizer = self.model.optimizer
-    steps = int(optimizer.dp_steps.numpy()) + 1
-    return accounting.epsilon(
-        optimizer, steps=steps, sampling_probability=self.sampling_probability,
-        delta=self.delta) > self.target_epsilon
+  def _compiled_steps_per_execution(self) -> int:
+    variable = getattr(self.model, '_steps_per_execution', None)
+    return 1 if variable is None else int(variable.numpy())
+
+  def _epsilon_after_next_execution(self) -> float:
+    optimizer = _dp_optimizer(self.model, 'EpsilonBudget')
+    # Keras shortens the last execution of an epoch by assigning the
+    # variable; the next execution may be a full one again.
+    steps = int(optimizer.dp_steps.numpy()) + max(
+        self._execution_steps, self._compiled_steps_per_execution())
+    return accounting.epsilon_for_sampling(
+        optimizer, steps=steps, delta=self.delta, **self.sampling_arguments)
 
   def on_train_begin(self, logs=None):
-    if self._next_step_exceeds():
-      raise ValueError('the privacy budget target_epsilon='
-                       f'{self.target_epsilon} is already spent')
+    if getattr(self.model, 'autotune_steps_per_execution', False):
+      raise ValueError(
+          "EpsilonBudget cannot bound steps_per_execution='auto' (Keras may "
+          'grow it without limit between two callbacks); compile with an '
+          'integer steps_per_execution')
+    self._execution_steps = self._compiled_steps_per_execution()
+    eps = self._epsilon_after_next_execution()
+    if eps > self.target_epsilon:
+      raise ValueError(
+          f'the privacy budget target_epsilon={self.target_epsilon} is spent: '
+          f'the next {self._execution_steps} step(s) (steps_per_execution) '
+          f'would take epsilon to {eps:.4g}')
 
   def on_train_batch_end(self, batch, logs=None):
-    if self._next_step_exceeds():
+    if self._epsilon_after_next_execution() > self.target_epsilon:
       self.model.stop_training = True
       self.stopped_at_step = int(self.model.optimizer.dp_steps.numpy())
