@@ -66,6 +66,24 @@ def test_calibration_lands_within_one_percent_below_the_target():
     assert 0.99 * target <= eps <= target, (target, z, eps)
 
 
+def test_calibration_for_shuffled_batches_uses_the_once_per_epoch_bound():
+  steps_per_epoch, steps = 16, 80
+  z = accounting.calibrate_noise_multiplier(
+      3.0, gaussian(1.0, 1.0), steps=steps, steps_per_epoch=steps_per_epoch,
+      delta=DELTA)
+  eps = accounting.epsilon_once_per_epoch(
+      gaussian(1.0, z), steps=steps, steps_per_epoch=steps_per_epoch,
+      delta=DELTA)
+  assert 0.99 * 3.0 <= eps <= 3.0
+  # No amplification: far more noise than Poisson sampling needs.
+  assert z > 1.5 * accounting.calibrate_noise_multiplier(
+      3.0, gaussian(1.0, 1.0), steps=steps,
+      sampling_probability=1 / steps_per_epoch, delta=DELTA)
+  with pytest.raises(ValueError, match='not both or neither'):
+    accounting.calibrate_noise_multiplier(3.0, gaussian(1.0, 1.0), steps=10,
+                                          delta=DELTA)
+
+
 def test_calibration_keeps_the_clip_norm():
   z = accounting.calibrate_noise_multiplier(
       2.0, gaussian(0.3, 1.0), steps=100, sampling_probability=0.01,

@@ -484,8 +484,9 @@ def calibrate_noise_multiplier(
     privatizer: core.Privatizer,
     *,
     steps: int,
-    sampling_probability: float,
     delta: float,
+    sampling_probability: Optional[float] = None,
+    steps_per_epoch: Optional[int] = None,
     rtol: float = 1e-3,
 ) -> float:
   """The smallest effective `noise_multiplier` whose epsilon is <= target.
@@ -497,20 +498,31 @@ def calibrate_noise_multiplier(
   Args:
     target_epsilon: epsilon to reach, > 0.
     privatizer: the privatizer to calibrate (its other settings are kept).
-    steps, sampling_probability, delta: as in `epsilon`.
+    steps, delta: as in `epsilon`.
+    sampling_probability: for Poisson sampling (`epsilon`).
+    steps_per_epoch: instead, for shuffled fixed-size batches
+      (`epsilon_once_per_epoch`).
     rtol: relative tolerance of the epsilon reached.
 
   Returns:
     The noise multiplier (Python float).
 
   Raises:
-    ValueError: if no multiplier up to 1e4 reaches `target_epsilon`.
+    ValueError: if no multiplier up to 1e4 reaches `target_epsilon`, or
+      unless exactly one of `sampling_probability` and `steps_per_epoch` is
+      given.
   """
   core.check_positive('target_epsilon', target_epsilon)
+  if (sampling_probability is None) == (steps_per_epoch is None):
+    raise ValueError('pass sampling_probability (Poisson sampling) or '
+                     'steps_per_epoch (shuffled batches), not both or neither')
+  sampling = 'poisson' if steps_per_epoch is None else 'shuffle'
 
   def eps(z):
-    return epsilon(privatizer.with_noise_multiplier(z), steps=steps,
-                   sampling_probability=sampling_probability, delta=delta)
+    return epsilon_for_sampling(
+        privatizer.with_noise_multiplier(z), sampling=sampling, steps=steps,
+        delta=delta, sampling_probability=sampling_probability,
+        steps_per_epoch=steps_per_epoch)
 
   lo, hi = 0.0, 1.0
   while eps(hi) > target_epsilon:
