@@ -143,3 +143,34 @@ def test_budget_refuses_autotuned_steps_per_execution():
   with pytest.raises(ValueError, match="steps_per_execution='auto'"):
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[
         tfdpx.keras.EpsilonBudget(5.0, delta=DELTA, **POISSON)])
+
+
+@pytest.mark.parametrize('callback', [
+    lambda: tfdpx.keras.PrivacyCallback(delta=DELTA, **POISSON),
+    lambda: tfdpx.keras.EpsilonBudget(5.0, delta=DELTA, **POISSON),
+])
+def test_callbacks_refuse_a_regularizer_on_the_compile_path_by_name(callback):
+  # Without the callback Keras's own train step fails inside its loss
+  # container (tf.add_n of the [B] loss and a scalar) without saying why.
+  x, y = _data(8)
+  model = tf.keras.Sequential([tf.keras.layers.Dense(
+      2, input_shape=(5,), kernel_regularizer='l2', name='regularized')])
+  model.compile(tfdpx.keras.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                  expected_batch_size=8),
+                tf.keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True,
+                    reduction=tf.keras.losses.Reduction.NONE))
+  with pytest.raises(ValueError, match="'regularized'.*make_private"):
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[callback()])
+
+
+@pytest.mark.parametrize('noise_seed', [None, 3])
+def test_privacy_callback_says_not_private_when_the_noise_seed_is_known(
+    caplog, noise_seed):
+  x, y = _data(8)
+  with caplog.at_level('WARNING'):
+    _model(noise_seed=noise_seed).fit(
+        x, y, batch_size=8, verbose=0,
+        callbacks=[tfdpx.keras.PrivacyCallback(delta=DELTA, **POISSON)])
+  warned = 'NOT PRIVATE: the noise seed is known' in caplog.text
+  assert warned == (noise_seed is not None)

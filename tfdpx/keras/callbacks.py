@@ -7,11 +7,21 @@ shuffled pass, Keras' default); `tfdpx.accounting.epsilon_for_sampling` then
 gives the epsilon that holds for it.
 """
 
+import logging
 from typing import Optional
 
 import tensorflow as tf
 
 from tfdpx import accounting
+from tfdpx.keras import models
+from tfdpx.keras import validation
+
+_LOG = logging.getLogger(__name__)
+
+KNOWN_SEED_WARNING = (
+    'tfdpx: NOT PRIVATE: the noise seed is known (noise_seed=...), so anyone '
+    'who knows it can subtract the noise; the epsilon logged for this run '
+    'describes the noise, not a guarantee.')
 
 
 def _dp_optimizer(model, callback):
@@ -20,6 +30,23 @@ def _dp_optimizer(model, callback):
     raise ValueError(f'{callback} needs a tfdpx optimizer, got '
                      f'{type(optimizer).__name__}')
   return optimizer
+
+
+def _check_before_training(model, callback):
+  """What a callback can check before the first step is traced.
+
+  A plain model compiled with a tfdpx optimizer (the compile path) is
+  validated here, before Keras's own train step runs: that step fails on
+  weight regularizers inside Keras (`tf.add_n` of the unreduced loss and a
+  scalar), with an error that does not say why.
+  """
+  optimizer = _dp_optimizer(model, callback)
+  if not isinstance(model, (models.DPModel, models.DPSequential)):
+    functional = getattr(model, '_is_graph_network', False)
+    validation.check_private_compatible(
+        model, model.inputs if functional else None, compile_path=True)
+  if optimizer.noise_seed_is_known:
+    _LOG.warning(KNOWN_SEED_WARNING)
 
 
 class PrivacyCallback(tf.keras.callbacks.Callback):
@@ -58,6 +85,7 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
         delta=self.delta, **self.sampling_arguments)
 
   def on_train_begin(self, logs=None):
+    _check_before_training(self.model, 'PrivacyCallback')
     # Refuses an optimizer it cannot account before the first step (steps=0
     # leaves the optimizer's step counter to be created by the first step).
     self._epsilon(steps=0)
@@ -117,6 +145,7 @@ class EpsilonBudget(tf.keras.callbacks.Callback):
         optimizer, steps=steps, delta=self.delta, **self.sampling_arguments)
 
   def on_train_begin(self, logs=None):
+    _check_before_training(self.model, 'EpsilonBudget')
     if getattr(self.model, 'autotune_steps_per_execution', False):
       raise ValueError(
           "EpsilonBudget cannot bound steps_per_execution='auto' (Keras may "
