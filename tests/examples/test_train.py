@@ -40,6 +40,61 @@ def test_sparsified_poisson_run_reports_its_assumption():
   assert results['steps'] == 2 * 3
 
 
+def test_default_run_is_poisson_sampled_and_releases_held_out_metrics_only():
+  results = train.run(TINY + ['--noise_multiplier=1.0', '--epochs=2'])
+  assert results['sampling'] == 'poisson' and results['private']
+  assert 'Poisson, as the accountant assumes' in results['statement']
+  assert results['epsilon'] == tfdpx.accounting.epsilon(
+      tfdpx.privatizers.gaussian(1.0, 1.0), steps=6,
+      sampling_probability=32 / 96, delta=1e-5)
+  # No loss or metric of a private training batch: epsilon and held-out
+  # accuracy only.
+  assert all(set(h) == {'epsilon', 'test_accuracy'}
+             for h in results['history'])
+
+
+def test_shuffled_run_reports_the_once_per_epoch_bound():
+  results = train.run(TINY + ['--sampling=shuffle', '--noise_multiplier=1.0',
+                              '--epochs=2'])
+  once_per_epoch = tfdpx.accounting.epsilon_once_per_epoch(
+      tfdpx.privatizers.gaussian(1.0, 1.0), steps=6, steps_per_epoch=3,
+      delta=1e-5)
+  assert results['epsilon'] == once_per_epoch
+  assert results['history'][-1]['epsilon'] == once_per_epoch
+  poisson = tfdpx.accounting.epsilon(
+      tfdpx.privatizers.gaussian(1.0, 1.0), steps=6,
+      sampling_probability=32 / 96, delta=1e-5)
+  assert once_per_epoch > poisson
+  assert f'{once_per_epoch:.4g}' in results['statement']
+  assert 'which this run did not use: not a guarantee' in results['statement']
+
+
+def test_shuffled_run_calibrates_to_its_own_bound():
+  results = train.run(TINY + ['--sampling=shuffle', '--target_epsilon=8',
+                              '--epochs=2'])
+  assert results['steps'] == 6  # The budget lets every planned step run.
+  assert 0.99 * 8 <= results['epsilon'] <= 8
+
+
+@pytest.mark.parametrize('extra, private', [
+    (['--seed=4'], True), (['--insecure_noise_seed=4'], False)])
+def test_only_a_known_noise_seed_makes_a_run_not_private(extra, private):
+  results = train.run(TINY + ['--noise_multiplier=1.0'] + extra)
+  assert results['private'] == private
+  assert ('NOT PRIVATE: the noise seed is known' in
+          results['statement']) == (not private)
+
+
+def test_the_script_runs_by_path():
+  out = subprocess.run(
+      [sys.executable, 'examples/train.py'] + TINY[1:] +
+      ['--noise_multiplier=1.0'], cwd=ROOT, capture_output=True, text=True,
+      env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'})
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert 'tfdpx privacy statement' in out.stdout
+  assert '(poisson sampling)' in out.stdout
+
+
 def test_tfds_path_with_mock_data():
   with tfds.testing.mock_data(num_examples=64):
     results = train.run(['train.py', '--dataset=mnist', '--batch_size=32',
@@ -51,7 +106,7 @@ def test_tfds_path_with_mock_data():
 def test_resumed_run_equals_uninterrupted_run(tmp_path):
   # Without noise, so that the weights must be equal: a resumed run keeps the
   # optimizer, privatizer state and ledger, but draws fresh noise by design.
-  args = TINY + ['--noise_multiplier=0.0', '--optimizer=adam',
+  args = TINY + ['--noise_multiplier=0.0', '--sampling=shuffle', '--optimizer=adam',
                  '--learning_rate=0.01']
   whole = train.run(args + ['--epochs=2',
                             f'--checkpoint_dir={tmp_path / "whole"}'])
