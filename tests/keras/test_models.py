@@ -267,7 +267,8 @@ def test_training_metrics_are_released_only_if_asked(release):
   x, y = _data()
   private = tfdpx.keras.make_private(_cnn(), release_training_metrics=release)
   private.compile(_sgd(), _loss(), metrics=['accuracy'])
-  privacy = tfdpx.keras.PrivacyCallback(sampling_probability=0.5, delta=1e-5)
+  privacy = tfdpx.keras.PrivacyCallback(sampling='poisson',
+                                        sampling_probability=0.5, delta=1e-5)
   logs = []
   batch_logs = tf.keras.callbacks.LambdaCallback(
       on_train_batch_end=lambda batch, batch_log: logs.append(dict(batch_log)))
