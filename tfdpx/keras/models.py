@@ -1,8 +1,8 @@
 """Keras models whose training step computes per-example gradients fast.
 
 `make_private(model)` returns a model sharing `model`'s layers and weights
-whose `train_step` computes per-example gradients with the linear-time engine
-(`tfdpx.per_example.model_gradients`: per-layer rules, vectorized fallback)
+whose `train_step` computes per-example statistics with the linear-time engine
+(`tfdpx.keras.recorder.model_gradients`: per-layer forms, vectorized fallback)
 instead of the optimizer's `tape.jacobian`, then hands them to the optimizer's
 `privatize`, the same call the compile path makes. `DPModel` and
 `DPSequential` are the classes behind it, for subclassing. See
@@ -20,9 +20,11 @@ from keras.src.optimizers.legacy import optimizer_v2
 from keras.src.saving import serialization_lib
 from keras.src.utils import losses_utils
 
+from tfdpx import gradients
 from tfdpx import noise
 from tfdpx import per_example
 from tfdpx.keras import optimizers
+from tfdpx.keras import recorder
 from tfdpx.keras import validation
 
 DEFAULT_CHUNK_SIZE = 128
@@ -115,17 +117,11 @@ class _PrivateTraining:
     validation.check_private_compatible(self, x if trace else None)
     self._dp_checked_eagerly = tf.executing_eagerly()
     var_list = self.trainable_variables
-    l2_norm_clip = None
-    if self._dp_fast_clipping and self._dp_public_data is None:
-      l2_norm_clip = optimizer.clipped_sum_norm
-    result = per_example.model_gradients(
+    result = recorder.model_gradients(
         self, x,
         lambda outputs: per_example_loss(self, y, outputs, sample_weight),
-        var_list, self._dp_chunk_size, self._dp_use_layer_rules, l2_norm_clip)
-    if result.clipped_sum is not None:
-      grads = optimizer.privatize_clipped_sum(result.clipped_sum, var_list)
-    else:
-      grads = self._privatize(optimizer, result.per_example_grads, var_list)
+        var_list, self._dp_chunk_size, self._dp_use_layer_rules)
+    grads = self._privatize(optimizer, result.grads, var_list)
     if result.regularization_grads is not None:
       # model.losses are data-independent (model_gradients checks): their
       # gradient is added after the noise, outside the clipped sum.
@@ -146,13 +142,15 @@ class _PrivateTraining:
     logs['dropped_records'] = noise.replica_sum([result.dropped_records])[0]
     return logs
 
-  def _privatize(self, optimizer, per_example_grads, var_list):
-    records = per_example.microbatch_means(
-        per_example_grads, optimizer._num_microbatches)  # pylint: disable=protected-access
+  def _privatize(self, optimizer, grads, var_list):
+    if not self._dp_fast_clipping:
+      # Every per-example gradient formed, for comparisons.
+      grads = gradients.MaterializedGradients(grads.materialized())
+    records = per_example.microbatched(grads, optimizer._num_microbatches)  # pylint: disable=protected-access
     public_grads = None
     if self._dp_public_data is not None:
       x_public, y_public = self._dp_public_data
-      public_grads = per_example.public_gradients(
+      public_grads = recorder.public_gradients(
           self, x_public, y_public,
           lambda y_true, outputs: per_example_loss(self, y_true, outputs),
           var_list, self._dp_public_chunk_size, self._dp_use_layer_rules)
@@ -252,14 +250,12 @@ class DPModel(_PrivateTraining, tf.keras.Model):
         `chunk_size`).
       use_layer_rules: False sends every layer to the vectorized fallback (for
         comparisons; slower).
-      fast_clipping: when the optimizer's privatizer only needs the sum of
-        the clipped per-example gradients (DP-SGD's `gaussian`, without
-        microbatches), compute each example's gradient norm layer by layer
-        (Dense layers without their per-example gradients) and the clipped
-        sum directly, instead of materializing every per-example gradient:
-        less memory, and much faster for large Dense layers. The result is
-        the same up to float rounding. False always materializes (for
-        comparisons).
+      fast_clipping: True (the default) hands the privatizer per-example
+        statistics computed layer by layer (norms, dots, weighted sums by
+        ghost forms, segment sums or chunks; `docs/per_example.md`) without
+        forming per-example gradients where a cheaper exact form exists.
+        False forms every per-example gradient first (for comparisons); the
+        release is the same up to float rounding.
       release_training_metrics: False makes `train_step` return nothing
         computed from the private batch (no loss, no compiled metrics), so
         `fit`'s logs, progress bar and History hold only what callbacks add
@@ -342,13 +338,13 @@ def make_private(model: tf.keras.Model, *,
 
   Compile the returned model with a tfdpx optimizer (`tfdpx.keras.DPSGD`, ...)
   and an unreduced loss, exactly as for the compile path, and call `fit`: each
-  step computes per-example gradients in one batched forward and backward
-  pass (per-layer rules for Dense, Conv1D, Conv2D, Embedding,
-  LayerNormalization, GroupNormalization; a chunked `tf.vectorized_map`
-  fallback for any other layer) and hands them to the optimizer's
-  `privatize`. For DP-SGD (`gaussian`) it computes only the per-example
-  norms and the clipped sum (`fast_clipping`). `evaluate` and `predict` are
-  Keras's own.
+  step runs one batched forward and backward pass and hands the optimizer's
+  `privatize` the per-example gradients as statistics on demand, answered per
+  layer (ghost norms and weighted sums for Dense and convolutions, segment
+  sums over the tokens present for Embedding, small per-example gradients
+  for LayerNormalization and GroupNormalization, a chunked
+  `tf.vectorized_map` fallback for any other layer). `evaluate` and
+  `predict` are Keras's own.
 
   Args:
     model: a Sequential, functional or subclassed Keras model. Functional and

@@ -18,6 +18,7 @@ from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras_vectorized 
 from tfdpx import accounting
 from tfdpx import clipping
 from tfdpx import core
+from tfdpx import gradients
 from tfdpx import per_example
 from tfdpx.keras import validation
 from tfdpx.privatizers.gaussian import Gaussian
@@ -256,22 +257,14 @@ class DPOptimizerMixin:
       counter.assign_add(1)
     return key
 
-  @property
-  def clipped_sum_norm(self) -> Optional[float]:
-    """The privatizer's `clipped_sum_norm` when one record is one example.
-
-    Not None means a model made private may hand `privatize_clipped_sum` the
-    clipped sum instead of the per-example gradients (fast clipping).
-    """
-    if self._num_microbatches is not None:
-      return None  # A microbatch's norm is not a sum of per-example terms.
-    return self._privatizer.clipped_sum_norm
-
   def privatize(self, per_example_grads, var_list, *, public_grads=None):
     """Privatized mean gradient from per-record gradients.
 
     Args:
-      per_example_grads: one `[num_records, *var.shape]` tensor per variable.
+      per_example_grads: the records' gradients: a
+        `tfdpx.gradients.PerExampleGradients` (a model made private hands its
+        engine's, which answers statistics per layer) or one
+        `[num_records, *var.shape]` tensor per variable.
       var_list: the trainable variables, in the same order.
       public_grads: per-example gradients of public data, for privatizers that
         need them.
@@ -289,33 +282,10 @@ class DPOptimizerMixin:
           f'{self._privatizer.name} needs per-example gradients of public '
           'data; train a model made private with public data '
           '(tfdpx.keras.make_private)')
+    grads = gradients.as_per_example_gradients(per_example_grads)
     return self._privatized(
         var_list, lambda state, seed: self._privatizer.update(
-            list(per_example_grads), state, seed, public_grads=public_grads))
-
-  def privatize_clipped_sum(self, clipped_sum, var_list):
-    """As `privatize`, from the sum of the examples' clipped gradients.
-
-    Args:
-      clipped_sum: one tensor per variable: the sum over this replica's
-        examples of their gradients, each clipped to global L2 norm
-        `clipped_sum_norm`.
-      var_list: the trainable variables, in the same order.
-
-    Returns:
-      As `privatize`.
-
-    Raises:
-      ValueError: if `clipped_sum_norm` is None.
-    """
-    if self.clipped_sum_norm is None:
-      raise ValueError(
-          f'{self._privatizer.name} with num_microbatches='
-          f'{self._num_microbatches} needs per-record gradients, not a '
-          'clipped sum')
-    return self._privatized(
-        var_list, lambda state, seed: self._privatizer.update_clipped_sum(
-            list(clipped_sum), state, seed))
+            grads.materialized(), state, seed, public_grads=public_grads))
 
   def _privatized(self, var_list, update):
     """Runs `update(state, seed)`, keeps its new state, returns the mean."""

@@ -1,54 +1,101 @@
-"""Per-layer rules: each example's weight gradient from one batched pass.
+"""Per-layer rules: each example's share of the gradients from one batched pass.
 
 A rule knows the mathematics of one Keras layer type. During the batched
 forward pass it returns the layer's output and a *tap*: the tensor whose
 gradient (one row per example) determines the layer's weight gradients, e.g.
 the pre-activation output of a Dense layer. After one batched backward pass to
-the taps, the rule turns the layer's input and the tap's gradient into
-per-example weight gradients `[B, *var.shape]` (Dense: an outer product by
-`einsum`; convolutions: `tf.image.extract_patches` and `einsum`; Embedding: a
-segment sum; normalization layers: the normalized input times the output
-gradient). This is how Opacus's hooks work, done without hooks.
+the taps, the rule turns the layer's input and the tap's gradient into a
+*unit* (`tfdpx.forms`): the per-example statistics of that call's share of the
+gradients, by the cheapest exact form of its family (Dense and convolutions:
+`tfdpx.forms.dense`; Embedding: `tfdpx.forms.embedding`; normalization layers:
+their small per-example gradients, `tfdpx.forms.materialized`). This is how
+Opacus's hooks and ghost clipping work, done without hooks.
 
 The registry is keyed by the exact layer class, so a subclass (Conv2DTranspose
 is a Conv2D subclass) never inherits a rule that does not fit its `call`. Add a
-rule for your own layer with `register(MyLayer, LayerRule(forward, grads))`.
+rule for your own layer with `register(MyLayer, LayerRule(forward, grads))`:
+`grads` gives a chunk's per-example gradients, from which every statistic is
+reduced chunk by chunk; a rule may give a `unit` instead, with cheaper forms.
 """
 
 import dataclasses
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import tensorflow as tf
+
+from tfdpx import clipping
+from tfdpx.forms import dense as dense_forms
+from tfdpx.forms import embedding as embedding_forms
+from tfdpx.forms import materialized as materialized_forms
+from tfdpx.forms import unit as unit_lib
 
 Grads = List[Tuple[tf.Variable, tf.Tensor]]
 
 
+class RuleCall(NamedTuple):
+  """What one recorded call of a layer with a rule gives its unit.
+
+  Attributes:
+    layer: the layer.
+    inputs: its input `[B, ...]`.
+    tap: the tap the rule's `forward` returned (recorded on `tape`).
+    tap_grad: the gradient of the summed loss with respect to `tap`.
+    tape: the persistent tape of the forward pass.
+    chunk_size: examples per chunk where per-example gradients are formed.
+  """
+  layer: tf.keras.layers.Layer
+  inputs: tf.Tensor
+  tap: tf.Tensor
+  tap_grad: tf.Tensor
+  tape: tf.GradientTape
+  chunk_size: int
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerRule:
-  """How to get per-example weight gradients of one layer type.
+  """How to get the per-example statistics of one layer type.
 
   Attributes:
     forward: `forward(layer, inputs) -> (outputs, tap)`; `outputs` must equal
       `layer(inputs)`, and `tap` is an intermediate tensor of shape `[B, ...]`
       from which the weights' gradients follow.
     grads: `grads(layer, inputs, tap_grad) -> [(variable, [B, *var.shape])]`,
-      given the layer's input and the gradient of the summed loss with respect
-      to `tap`. Variables it omits get no gradient from this call.
+      given (a chunk of) the layer's input and the gradient of the summed
+      loss with respect to `tap`. Variables it omits get no gradient from
+      this call. Every statistic is reduced from these, chunk by chunk.
     supports: `supports(layer, inputs) -> bool`; when False this call goes
       to the vectorized fallback instead (an unusual configuration or input).
-    sq_norms: optional `sq_norms(layer, inputs, tap_grad) ->
-      [(variable, [B])]`, each example's squared L2 norm of each variable's
-      gradient computed without the gradient itself (fast clipping), or None
-      where that is not cheaper; without it the norms come from `grads`.
+    unit: optional `unit(call: RuleCall) -> tfdpx.forms.unit.Unit` with
+      cheaper exact forms; used instead of `grads` when given.
   """
   forward: Callable[[tf.keras.layers.Layer, tf.Tensor],
                     Tuple[tf.Tensor, tf.Tensor]]
-  grads: Callable[[tf.keras.layers.Layer, tf.Tensor, tf.Tensor], Grads]
+  grads: Optional[Callable[[tf.keras.layers.Layer, tf.Tensor, tf.Tensor],
+                           Grads]] = None
   supports: Callable[[tf.keras.layers.Layer, tf.Tensor],
                      bool] = lambda layer, inputs: True
-  sq_norms: Optional[Callable[[tf.keras.layers.Layer, tf.Tensor, tf.Tensor],
-                              Optional[List[Tuple[tf.Variable,
-                                                  tf.Tensor]]]]] = None
+  unit: Optional[Callable[[RuleCall], unit_lib.Unit]] = None
+
+  def __post_init__(self):
+    if self.grads is None and self.unit is None:
+      raise ValueError('a LayerRule needs grads or unit')
+
+  def make_unit(self, call: RuleCall) -> unit_lib.Unit:
+    """The unit of one recorded call."""
+    if self.unit is not None:
+      return self.unit(call)
+    variables = call.layer.trainable_weights
+
+    def grads_of(chunk):
+      inputs, tap_grad = chunk
+      given = {v.ref(): g for v, g in self.grads(call.layer, inputs,
+                                                  tap_grad)}
+      return [tf.convert_to_tensor(given[v.ref()]) if v.ref() in given else
+              tf.zeros(tf.concat([tf.shape(tap_grad)[:1], v.shape], 0),
+                       v.dtype) for v in variables]
+
+    return materialized_forms.MaterializedUnit(
+        variables, grads_of, [call.inputs, call.tap_grad], call.chunk_size)
 
 
 _RULES: Dict[type, LayerRule] = {}
@@ -97,47 +144,47 @@ def _dense_forward(layer, inputs):
   return layer.activation(pre), pre
 
 
-def _dense_grads(layer, inputs, tap_grad):
-  inputs = tf.cast(inputs, tap_grad.dtype)
-  if inputs.shape.rank == 2:
-    kernel = tf.einsum('bi,bo->bio', inputs, tap_grad)
-    bias = tap_grad
-  else:
-    batch = tf.shape(inputs)[0]
-    x = tf.reshape(inputs, [batch, -1, inputs.shape[-1]])
-    g = tf.reshape(tap_grad, [batch, -1, tap_grad.shape[-1]])
-    kernel = tf.einsum('bti,bto->bio', x, g)
-    bias = tf.reduce_sum(g, axis=1)
-  grads = [(layer.kernel, kernel)]
-  if layer.use_bias:
-    grads.append((layer.bias, bias))
-  return grads
+def _sequence_rows(tensor: tf.Tensor) -> tf.Tensor:
+  """`[B, ..., n]` as `[B, T, n]`: a Dense layer acts on each position."""
+  return tf.reshape(tensor, [tf.shape(tensor)[0], -1, tensor.shape[-1]])
 
 
-def _dense_sq_norms(layer, inputs, tap_grad):
-  # The kernel gradient of one example is x^T g (x: [T, I], g: [T, O]); its
-  # squared norm is sum_{t,s} (x_t . x_s)(g_t . g_s), "ghost" norms (Goodfellow
-  # 2015; Li et al. 2022), cheaper than x^T g unless T^2 > I * O.
-  inputs = tf.cast(inputs, tap_grad.dtype)
-  if inputs.shape.rank == 2:
-    g_squared = tf.reduce_sum(tf.square(tap_grad), axis=1)
-    kernel = tf.reduce_sum(tf.square(inputs), axis=1) * g_squared
-    bias = g_squared
-  else:
-    steps = inputs.shape[1:-1].num_elements()
-    if steps is None or steps * steps > layer.kernel.shape.num_elements():
-      return None
-    batch = tf.shape(inputs)[0]
-    x = tf.reshape(inputs, [batch, steps, inputs.shape[-1]])
-    g = tf.reshape(tap_grad, [batch, steps, tap_grad.shape[-1]])
-    kernel = tf.reduce_sum(
-        tf.einsum('bti,bsi->bts', x, x) * tf.einsum('bto,bso->bts', g, g),
-        axis=[1, 2])
-    bias = tf.reduce_sum(tf.square(tf.reduce_sum(g, axis=1)), axis=1)
-  norms = [(layer.kernel, kernel)]
-  if layer.use_bias:
-    norms.append((layer.bias, bias))
-  return [(v, tf.cast(n, tf.float32)) for v, n in norms]
+def _dense_unit(call: RuleCall) -> unit_lib.Unit:
+  layer = call.layer
+  return dense_forms.ProductUnit(
+      layer.kernel, layer.bias if layer.use_bias else None,
+      lambda elems: _sequence_rows(elems[0]), [call.inputs],
+      _sequence_rows(call.tap_grad), call.chunk_size)
+
+
+def _backward_weighted_sum(call: RuleCall, forward):
+  """`weighted_sum(weights, keep)` by one weighted backward pass of the call.
+
+  Row b of the tap gradient belongs to example b alone, so backpropagating
+  the weighted tap gradient to the layer's own weights (through its own ops
+  only) gives the weighted sum without any per-example gradient.
+  """
+  variables = call.layer.trainable_weights
+
+  def weighted_sum(weights, keep):
+    weighted = unit_lib.weighted_rows(call.tap_grad, weights, keep)
+    recorded = call.tape.gradient(
+        call.tap, variables, output_gradients=weighted,
+        unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+    def without_dropped_inputs():
+      # A dropped example's non-finite input times its zero weight is NaN in
+      # the recorded product over the batch: recompute the tap without it.
+      with tf.GradientTape() as kept:
+        _, kept_tap = forward(call.layer,
+                              clipping.zero_rows(call.inputs, keep))
+      return kept.gradient(kept_tap, variables, output_gradients=weighted,
+                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+    return tf.cond(tf.reduce_all(keep), lambda: recorded,
+                   without_dropped_inputs)
+
+  return weighted_sum
 
 
 # --- Conv1D / Conv2D ---------------------------------------------------------
@@ -167,12 +214,16 @@ def _conv_forward(layer, inputs):
   return layer.activation(pre), pre
 
 
-def _conv_grads(layer, inputs, tap_grad):
-  inputs = tf.cast(_conv_pad(layer, inputs), tap_grad.dtype)
+def _conv_patches(layer, inputs):
+  """The input patches of each output position, `[B, T, p]`.
+
+  `p` is the kernel volume times the input channels, in the order of the
+  kernel's first axes, so the kernel gradient of example `i` is
+  `patches_i^T D_i` reshaped to the kernel's shape.
+  """
   padding = 'SAME' if layer.padding == 'same' else 'VALID'
   if layer.rank == 1:  # A 1-D convolution is a 2-D one of height 1.
     inputs = inputs[:, tf.newaxis]
-    tap_grad = tap_grad[:, tf.newaxis]
     sizes = [1, 1, layer.kernel_size[0], 1]
     strides = [1, 1, layer.strides[0], 1]
     rates = [1, 1, layer.dilation_rate[0], 1]
@@ -182,25 +233,24 @@ def _conv_grads(layer, inputs, tap_grad):
     rates = [1, *layer.dilation_rate, 1]
   patches = tf.image.extract_patches(
       inputs, sizes=sizes, strides=strides, rates=rates, padding=padding)
-  kernel = tf.einsum('bhwp,bhwo->bpo', patches, tap_grad)
-  kernel = tf.reshape(kernel, [-1, *layer.kernel.shape])
-  grads = [(layer.kernel, kernel)]
-  if layer.use_bias:
-    grads.append((layer.bias, tf.reduce_sum(tap_grad, axis=[1, 2])))
-  return grads
+  return _sequence_rows(patches)
+
+
+def _conv_unit(call: RuleCall) -> unit_lib.Unit:
+  layer = call.layer
+  return dense_forms.ProductUnit(
+      layer.kernel, layer.bias if layer.use_bias else None,
+      lambda elems: _conv_patches(layer, elems[0]),
+      [_conv_pad(layer, call.inputs)], _sequence_rows(call.tap_grad),
+      call.chunk_size, _backward_weighted_sum(call, _conv_forward))
 
 
 # --- Embedding ---------------------------------------------------------------
 
 
-def _embedding_grads(layer, inputs, tap_grad):
-  batch = tf.shape(tap_grad)[0]
-  vocab, dim = layer.embeddings.shape
-  ids = tf.reshape(tf.cast(inputs, tf.int32), [batch, -1])
-  rows = ids + vocab * tf.range(batch)[:, tf.newaxis]
-  grad = tf.math.unsorted_segment_sum(
-      tf.reshape(tap_grad, [-1, dim]), tf.reshape(rows, [-1]), batch * vocab)
-  return [(layer.embeddings, tf.reshape(grad, [batch, vocab, dim]))]
+def _embedding_unit(call: RuleCall) -> unit_lib.Unit:
+  return embedding_forms.EmbeddingUnit(call.layer.embeddings, call.inputs,
+                                       call.tap_grad)
 
 
 def _embedding_supports(layer, inputs):
@@ -265,14 +315,14 @@ def _group_norm_supports(layer, inputs):
           getattr(inputs, '_keras_mask', None) is None)
 
 
-register(tf.keras.layers.Dense,
-         LayerRule(_dense_forward, _dense_grads, sq_norms=_dense_sq_norms))
+register(tf.keras.layers.Dense, LayerRule(_dense_forward, unit=_dense_unit))
 register(tf.keras.layers.Conv1D,
-         LayerRule(_conv_forward, _conv_grads, _conv_supports))
+         LayerRule(_conv_forward, supports=_conv_supports, unit=_conv_unit))
 register(tf.keras.layers.Conv2D,
-         LayerRule(_conv_forward, _conv_grads, _conv_supports))
+         LayerRule(_conv_forward, supports=_conv_supports, unit=_conv_unit))
 register(tf.keras.layers.Embedding,
-         LayerRule(_called_normally, _embedding_grads, _embedding_supports))
+         LayerRule(_called_normally, supports=_embedding_supports,
+                   unit=_embedding_unit))
 register(tf.keras.layers.LayerNormalization,
          LayerRule(_called_normally, _layer_norm_grads, _layer_norm_supports))
 register(tf.keras.layers.GroupNormalization,

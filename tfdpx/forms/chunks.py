@@ -1,0 +1,88 @@
+"""Running a per-example computation over the batch in chunks of examples.
+
+Memory is then bounded by the chunk size, not by the batch: a chunk's
+per-example gradients are formed, reduced at once (to norms, dots or a
+weighted partial sum), and dropped before the next chunk.
+"""
+
+from typing import Callable, List, Sequence
+
+import tensorflow as tf
+
+
+def _split(elems: Sequence[tf.Tensor], chunk_size: int):
+  """`elems` as `[num_chunks, chunk_size, ...]`, padded by repeating rows.
+
+  Every chunk is a valid batch and shapes stay static under XLA; `valid`
+  (`[num_chunks, chunk_size]` bool) marks the real rows.
+  """
+  batch = tf.shape(elems[0])[0]
+  num_chunks = (batch + chunk_size - 1) // chunk_size
+  position = tf.range(num_chunks * chunk_size)
+  index = position % batch
+
+  def split(tensor):
+    shape = tf.concat([tf.stack([num_chunks, chunk_size]),
+                       tf.shape(tensor)[1:]], axis=0)
+    chunks = tf.reshape(tf.gather(tensor, index), shape)
+    chunks.set_shape([None, chunk_size, *tensor.shape[1:]])
+    return chunks
+
+  valid = tf.reshape(position < batch, [num_chunks, chunk_size])
+  return [split(e) for e in elems], valid, batch
+
+
+def _fits_one_chunk(elems, chunk_size) -> bool:
+  static_batch = elems[0].shape[0]
+  return static_batch is not None and static_batch <= chunk_size
+
+
+def map_rows(fn: Callable[[List[tf.Tensor]], List[tf.Tensor]],
+             elems: Sequence[tf.Tensor], chunk_size: int,
+             signature: Sequence[tf.TensorSpec]) -> List[tf.Tensor]:
+  """`fn` over the batch in chunks of `chunk_size` examples.
+
+  Args:
+    fn: maps a list of `[c, ...]` tensors to a list of `[c, ...]` tensors,
+      row by row (row `i` of an output depends on row `i` of the inputs).
+    elems: the batch, tensors of equal leading dimension B.
+    chunk_size: the largest number of examples `fn` sees at once.
+    signature: one `tf.TensorSpec` per output of `fn`, without the batch axis.
+
+  Returns:
+    The outputs of `fn`, `[B, ...]` each.
+  """
+  elems = list(elems)
+  if _fits_one_chunk(elems, chunk_size):
+    return list(fn(elems))
+  chunks, _, batch = _split(elems, chunk_size)
+  specs = [tf.TensorSpec([chunk_size, *s.shape], s.dtype) for s in signature]
+  outputs = tf.map_fn(lambda chunk: list(fn(chunk)), chunks,
+                      fn_output_signature=specs)
+  return [tf.reshape(o, [-1, *s.shape])[:batch]
+          for o, s in zip(outputs, signature)]
+
+
+def sum_rows(fn: Callable[[List[tf.Tensor], tf.Tensor], List[tf.Tensor]],
+             elems: Sequence[tf.Tensor], chunk_size: int,
+             signature: Sequence[tf.TensorSpec]) -> List[tf.Tensor]:
+  """The sum over chunks of `fn(chunk, valid)`.
+
+  Args:
+    fn: maps a list of `[c, ...]` tensors and `valid` (`[c]` bool: False for
+      the padding rows of the last chunk, which must contribute nothing) to
+      a list of partial sums.
+    elems: the batch, tensors of equal leading dimension B.
+    chunk_size: the largest number of examples `fn` sees at once.
+    signature: one `tf.TensorSpec` per output of `fn`.
+
+  Returns:
+    The summed outputs of `fn`.
+  """
+  elems = list(elems)
+  if _fits_one_chunk(elems, chunk_size):
+    return list(fn(elems, tf.ones([tf.shape(elems[0])[0]], tf.bool)))
+  chunks, valid, _ = _split(elems, chunk_size)
+  outputs = tf.map_fn(lambda args: list(fn(args[0], args[1])),
+                      (chunks, valid), fn_output_signature=list(signature))
+  return [tf.reduce_sum(o, axis=0) for o in outputs]

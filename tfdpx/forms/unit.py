@@ -1,0 +1,54 @@
+"""The statistics one layer call contributes to the per-example gradients."""
+
+import abc
+from typing import List, Optional, Sequence
+
+import tensorflow as tf
+
+from tfdpx import clipping
+
+
+class Unit(abc.ABC):
+  """One layer call's share `g_iv` of the per-example gradients.
+
+  Every method returns one entry per variable of `variables`, in order. Row
+  `i` depends on example `i` alone (model validation refuses layers that mix
+  the examples of a batch).
+  """
+
+  def __init__(self, variables: Sequence[tf.Variable]):
+    self.variables = list(variables)
+
+  @abc.abstractmethod
+  def sq_norms(self) -> List[tf.Tensor]:
+    """`|g_iv|^2`, float32 `[B]` each."""
+
+  @abc.abstractmethod
+  def dots(self, directions: Sequence[Optional[tf.Tensor]]
+           ) -> List[Optional[tf.Tensor]]:
+    """`<g_iv, d_jv>` for `[k_v, *shape]` directions (None: not needed)."""
+
+  @abc.abstractmethod
+  def masked_sq_norms(self, masks: Sequence[tf.Tensor]) -> List[tf.Tensor]:
+    """`|m_v * g_iv|^2`, float32 `[B]` each."""
+
+  @abc.abstractmethod
+  def weighted_sum(self, weights: tf.Tensor,
+                   keep: tf.Tensor) -> List[tf.Tensor]:
+    """`sum_i w_i g_iv` over the rows `keep` (`[B]` bool) keeps.
+
+    A row that is not kept contributes nothing, even where it is not finite
+    (a select, never `0 * NaN`).
+    """
+
+  @abc.abstractmethod
+  def materialized(self) -> List[tf.Tensor]:
+    """`g_iv` itself, `[B, *shape]` each (the escape hatch)."""
+
+
+def weighted_rows(tensor: tf.Tensor, weights: tf.Tensor,
+                  keep: tf.Tensor) -> tf.Tensor:
+  """Row `i` of `[B, ...]` `tensor` times `weights[i]`; zero where not kept."""
+  factor = tf.reshape(tf.cast(weights, tensor.dtype),
+                      [-1] + [1] * (tensor.shape.rank - 1))
+  return clipping.zero_rows(tensor * factor, keep)

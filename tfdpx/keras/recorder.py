@@ -1,0 +1,556 @@
+"""The engine of models made private: one batched pass, then per-layer units.
+
+`model_gradients` runs a Keras model layer by layer (the only place tfdpx
+reads Keras's functional internals), records for every layer call that reads
+a trainable variable either a rule's tap (`tfdpx.keras.layer_rules`) or, for
+the fallback, the call's outputs, runs one batched backward pass of the summed
+loss to every tap and fallback output (row `i` of each belongs to example `i`
+alone, as long as no layer mixes the examples of a batch: model validation),
+and turns each call into a unit (`tfdpx.forms`). The units together answer a
+privatizer's questions (`tfdpx.per_example.UnitGradients`): per-example
+statistics and weighted sums, without forming per-example gradients where a
+layer family has a cheaper exact form.
+
+One definition holds on every path: an example's gradient is the gradient of
+its loss through the very forward pass that produced the loss (the same
+dropout masks). The fallback therefore never recomputes a call that draws
+random numbers; it differentiates the recorded call instead (exact, quadratic
+in the batch for that layer). A variable read by several layer calls (tied
+weights) gets the sum of every call's share. See docs/per_example.md.
+"""
+
+import logging
+import re
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence
+
+import tensorflow as tf
+
+from tfdpx import clipping
+from tfdpx import per_example
+from tfdpx.forms import chunks
+from tfdpx.forms import materialized as materialized_forms
+from tfdpx.forms import unit as unit_lib
+from tfdpx.keras import layer_rules
+
+_LOG = logging.getLogger(__name__)
+
+_key = per_example.variable_key
+
+
+def _unique_keys(variables):
+  return list(dict.fromkeys(_key(v) for v in variables))
+
+
+def _unique(variables) -> List[tf.Variable]:
+  keys = {}
+  for variable in variables:
+    keys.setdefault(_key(variable), variable)
+  return list(keys.values())
+
+
+# Types of the ops that draw random numbers: stateful and stateless random
+# ops (tf.random, Keras's generators, tf.nn.dropout) and tf.random.Generator's.
+_RANDOM_OP = re.compile(
+    r'Random|Multinomial|TruncatedNormal|^Rng|^StatefulUniform|'
+    r'^StatefulStandardNormal')
+
+
+def _is_graph_network(layer) -> bool:
+  return (isinstance(layer, tf.keras.Model) and
+          getattr(layer, '_is_graph_network', False))
+
+
+def _is_float(tensor) -> bool:
+  return tf.is_tensor(tensor) and tensor.dtype.is_floating
+
+
+class _FallbackCall(NamedTuple):
+  """A recorded layer call without a rule.
+
+  `variables` are the wanted variables it reads and its layer's trainable
+  weights; `tape` recorded the call's own ops (with those variables as its
+  only sources); `ops` are the graph ops the call created (None in eager mode).
+  """
+  layer: tf.keras.layers.Layer
+  args: Any
+  kwargs: Any
+  outputs: List[tf.Tensor]
+  variables: List[tf.Variable]
+  tape: tf.GradientTape
+  ops: Optional[List[tf.Operation]]
+
+
+class _Recorder:
+  """Runs a model layer by layer, recording what the backward pass needs."""
+
+  def __init__(self, tape: tf.GradientTape, use_rules: bool,
+               var_list: Sequence[tf.Variable]):
+    self.tape = tape
+    self.use_rules = use_rules
+    self.wanted = {_key(v): v for v in var_list}
+    self.rule_calls = []  # (layer, rule, inputs, tap)
+    self.fallback_calls = []  # _FallbackCall
+    self.unattributed = []  # Wanted variables read where no unit sees it.
+
+  def run(self, model, inputs):
+    """The model's outputs on `inputs`, computed in training mode."""
+    if _is_graph_network(model) and not isinstance(model, tf.keras.Sequential):
+      return self._run_graph(model, inputs)
+    if isinstance(model, tf.keras.Sequential):
+      for layer in model.layers:
+        inputs = self.call(layer, (inputs,), {})
+      return inputs
+    return self.call(model, (inputs,), {}, nested_run=False)
+
+  def _run_graph(self, model, inputs):
+    # The loop of Keras's Functional._run_internal_graph, with self.call.
+    # pylint: disable=protected-access
+    inputs = model._flatten_to_reference_inputs(inputs)
+    tensors = {}
+    for reference, value in zip(model.inputs, inputs):
+      value = model._conform_to_reference_input(value, ref_input=reference)
+      key = str(id(reference))
+      tensors[key] = [value] * model._tensor_usage_count[key]
+    for depth in sorted(model._nodes_by_depth, reverse=True):
+      for node in model._nodes_by_depth[depth]:
+        if node.is_input or any(k not in tensors for k in node.flat_input_ids):
+          continue
+        args, kwargs = node.map_arguments(tensors)
+        outputs = self.call(node.layer, args, kwargs)
+        for key, value in zip(node.flat_output_ids, tf.nest.flatten(outputs)):
+          tensors[key] = [value] * model._tensor_usage_count[key]
+    outputs = [tensors[str(id(x))].pop() for x in model.outputs]
+    return tf.nest.pack_sequence_as(model._nested_outputs, outputs)
+    # pylint: enable=protected-access
+
+  def call(self, layer, args, kwargs, nested_run=True):
+    """Calls `layer` in training mode, recording a rule tap or a fallback."""
+    if nested_run and isinstance(layer, tf.keras.Model) and (
+        _is_graph_network(layer) or isinstance(layer, tf.keras.Sequential)):
+      return self.run(layer, args[0])
+    kwargs = dict(kwargs)
+    spec = layer._call_spec  # pylint: disable=protected-access
+    if spec.expects_training_arg and kwargs.get('training') is None:
+      kwargs['training'] = True
+    if spec.expects_mask_arg and kwargs.get('mask') is None and args:
+      # Explicit, so that the fallback slices the mask with the inputs.
+      mask = tf.nest.map_structure(lambda t: getattr(t, '_keras_mask', None),
+                                   args[0])
+      if any(m is not None for m in tf.nest.flatten(mask)):
+        kwargs['mask'] = mask
+    rule = None
+    if (self.use_rules and layer.trainable_weights and len(args) == 1 and
+        set(kwargs) <= {'training', 'mask'}):
+      rule = layer_rules.lookup(layer, args[0])
+    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    first_op = len(graph.get_operations()) if graph is not None else 0
+    # The call's own tape: which variables it reads (also another layer's,
+    # e.g. tied weights) and, for a random call, its recorded ops.
+    with tf.GradientTape(persistent=True) as own:
+      if rule is not None:
+        outputs, tap = rule.forward(layer, args[0])
+      else:
+        outputs = layer(*args, **kwargs)
+    read = [self.wanted[k] for k in
+            _unique_keys(own.watched_variables()) if k in self.wanted]
+    if rule is not None:
+      self.tape.watch(tap)
+      mask = layer.compute_mask(args[0], getattr(args[0], '_keras_mask',
+                                                 None))
+      if mask is not None:
+        outputs._keras_mask = mask  # pylint: disable=protected-access
+      self.rule_calls.append((layer, rule, args[0], tap))
+      # The rule's gradients cover its layer's weights and nothing else.
+      owned = {_key(v) for v in layer.trainable_weights}
+      self.unattributed.extend(v for v in read if _key(v) not in owned)
+    elif layer.trainable_weights or read:
+      float_outputs = [t for t in tf.nest.flatten(outputs) if _is_float(t)]
+      self.tape.watch(float_outputs)
+      ops = graph.get_operations()[first_op:] if graph is not None else None
+      self.fallback_calls.append(_FallbackCall(
+          layer, args, kwargs, float_outputs,
+          _unique(list(layer.trainable_weights) + read), own, ops))
+    return outputs
+
+  def read_outside(self, read: Sequence[tf.Variable]) -> None:
+    """Notes variables read outside the layer calls (e.g. by the loss)."""
+    self.unattributed.extend(self.wanted[k] for k in _unique_keys(read)
+                             if k in self.wanted)
+
+
+def _function_names(attrs) -> List[str]:
+  names = []
+  for value in attrs.values():
+    if value.HasField('func'):
+      names.append(value.func.name)
+    if value.HasField('list'):
+      names.extend(f.name for f in value.list.func)
+  return names
+
+
+def _draws_random_numbers(ops: Sequence[tf.Operation], library) -> bool:
+  """Whether `ops`, or a function or loop body they call, draw random numbers.
+
+  Args:
+    ops: graph operations.
+    library: `{name: FunctionDef}` of the graph's functions.
+  """
+  pending = []
+  for op in ops:
+    if _RANDOM_OP.search(op.type):
+      return True
+    pending.extend(_function_names(op.node_def.attr))
+  seen = set()
+  while pending:
+    name = pending.pop()
+    if name in seen:
+      continue
+    seen.add(name)
+    if name not in library:
+      return True  # Unknown body: assume it does.
+    for node in library[name].node_def:
+      if _RANDOM_OP.search(node.op):
+        return True
+      pending.extend(_function_names(node.attr))
+  return False
+
+
+def _random_calls(calls: Sequence[_FallbackCall]) -> List[bool]:
+  """For each fallback call recorded in graph mode: does it draw randomness?"""
+  library = {}
+  if any(_function_names(op.node_def.attr) for call in calls
+         for op in call.ops):
+    graph = tf.compat.v1.get_default_graph()  # The forward pass's graph.
+    library = {f.signature.name: f
+               for f in graph.as_graph_def().library.function}
+  return [_draws_random_numbers(call.ops, library) for call in calls]
+
+
+def _depends_on(tensor, sources) -> bool:
+  """Whether graph tensor `tensor` is computed from an op in `sources`.
+
+  Follows every op input (float or integer, differentiable or not, and the
+  inputs of loops, conditionals and function calls, which take every value
+  their bodies use), so it is structural, not a gradient.
+  """
+  if getattr(tensor, 'graph', None) is None:
+    return False  # An eager constant.
+  stack, seen = [tensor.op], set()
+  while stack:
+    op = stack.pop()
+    if op in sources:
+      return True
+    if op not in seen:
+      seen.add(op)
+      stack.extend(t.op for t in op.inputs)
+  return False
+
+
+def _data_dependent_loss_layers(model, terms, inputs) -> List[str]:
+  """The names of the layers whose `add_loss` terms depend on `inputs`."""
+  sources = {t.op for t in tf.nest.flatten(inputs)
+             if getattr(t, 'graph', None) is not None}
+  names = []
+  for term in terms:
+    if _depends_on(term, sources):
+      # The layers holding the term, outermost first: the last one added it.
+      owners = [layer for layer in model._flatten_layers()  # pylint: disable=protected-access
+                if any(t is term for t in layer.losses)]
+      names.append((owners or [model])[-1].name)
+  return list(dict.fromkeys(names))
+
+
+def _analysis(recorder, model, terms, inputs):
+  """Random fallback calls and data-dependent `add_loss` layers (graph mode)."""
+  random = (_random_calls(recorder.fallback_calls)
+            if recorder.fallback_calls else [])
+  return random, _data_dependent_loss_layers(model, terms, inputs)
+
+
+def _traced_analysis(model, inputs, use_rules, var_list):
+  """`_analysis` in eager mode, from a trace of the same forward pass."""
+  found = []
+
+  def forward(inputs):
+    with tf.GradientTape(persistent=True) as tape:
+      recorder = _Recorder(tape, use_rules, var_list)
+      recorder.run(model, inputs)
+    found.append(_analysis(recorder, model, model.losses, inputs))
+
+  tf.function(forward).get_concrete_function(inputs)
+  return found[0]
+
+
+def _is_recurrent_loop(layer) -> bool:
+  return isinstance(layer, tf.keras.layers.RNN) and not layer.unroll
+
+
+def _dense(grads) -> List[tf.Tensor]:
+  return [tf.convert_to_tensor(g) for g in grads]  # Embeddings: dense.
+
+
+def _finite_rows(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+  """`[B]` bool: whether each row of every `[B, ...]` tensor is finite."""
+  return tf.math.is_finite(clipping.per_example_global_norm(tensors))
+
+
+def _example_grads(call: _FallbackCall):
+  """`grads_of(chunk)`: per-example gradients of a deterministic call.
+
+  The chunk holds the call's batched arguments and its output gradients. Each
+  example's call is recomputed alone with `tf.vectorized_map`; without
+  randomness in the call that is the computation of the batched forward pass,
+  row by row.
+  """
+  layer, variables = call.layer, call.variables
+  flat = tf.nest.flatten((call.args, call.kwargs))
+  batched = _batched_positions(call)
+
+  def one_example(elems):
+    example = list(flat)
+    for i, tensor in zip(batched, elems):
+      example[i] = tensor[tf.newaxis]
+    grads_in = [g[tf.newaxis] for g in elems[len(batched):]]
+    call_args, call_kwargs = tf.nest.pack_sequence_as((call.args, call.kwargs),
+                                                      example)
+    with tf.GradientTape() as tape:
+      out = layer(*call_args, **call_kwargs)
+    targets = [t for t in tf.nest.flatten(out) if _is_float(t)]
+    return _dense(tape.gradient(
+        targets, variables, output_gradients=grads_in,
+        unconnected_gradients=tf.UnconnectedGradients.ZERO))
+
+  signature = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
+
+  def loop(chunk):
+    return tf.map_fn(one_example, chunk, fn_output_signature=signature)
+
+  def grads_of(chunk):
+    if _is_recurrent_loop(layer):
+      return loop(chunk)  # pfor fails on the gradient of its while loop.
+    try:
+      return tf.vectorized_map(one_example, chunk)
+    except Exception:  # pylint: disable=broad-except
+      # pfor cannot vectorize some gradients: loop over the chunk's examples
+      # instead; a genuine error in the layer reappears there.
+      _LOG.warning(
+          'tfdpx: tf.vectorized_map cannot vectorize the per-example '
+          'gradient of layer %r; looping over examples instead (slower).',
+          layer.name)
+      return loop(chunk)
+
+  return grads_of
+
+
+def _batched_positions(call: _FallbackCall) -> List[int]:
+  """Positions in the flat call arguments of the tensors with a batch axis."""
+  return [i for i, t in enumerate(tf.nest.flatten((call.args, call.kwargs)))
+          if tf.is_tensor(t) and not isinstance(t, tf.Variable) and
+          t.shape.rank]
+
+
+def _recorded_grads(call: _FallbackCall, output_grads,
+                    chunk_size) -> List[tf.Tensor]:
+  """Per-example gradients of a random call, from the forward pass that ran.
+
+  Recomputing the call would draw new random numbers (dropout masks), so
+  each example's gradient is instead the Jacobian row of
+  `sum(outputs[b] * output_grads[b])` through the recorded call: exact, but
+  one backward pass of the call over the whole batch per example.
+  """
+  _LOG.warning(
+      'tfdpx: layer %r draws random numbers in training (dropout, noise); its '
+      'per-example gradients come from the recorded forward pass by a '
+      'Jacobian over the batch, whose cost grows with the square of the batch '
+      'size. Move the randomness into a separate layer (e.g. a Dropout layer '
+      'before it) to keep the engine linear.', call.layer.name)
+  finite = _finite_rows(output_grads)
+  with call.tape:
+    # An example with a non-finite output gradient must not reach the other
+    # rows of the Jacobian (as 0 * NaN): zero it here, mark it below.
+    rows = tf.add_n([
+        tf.reduce_sum(tf.reshape(o * tf.stop_gradient(
+            clipping.zero_rows(tf.cast(g, o.dtype), finite)),
+                                 [tf.shape(o)[0], -1]), axis=1)
+        for o, g in zip(call.outputs, output_grads)])
+
+  def jacobian(use_pfor):
+    return _dense(call.tape.jacobian(
+        rows, call.variables,
+        unconnected_gradients=tf.UnconnectedGradients.ZERO,
+        parallel_iterations=chunk_size, experimental_use_pfor=use_pfor))
+
+  if _is_recurrent_loop(call.layer):
+    grads = jacobian(False)  # pfor fails on the gradient of its while loop.
+  else:
+    try:
+      grads = jacobian(True)
+    except Exception:  # pylint: disable=broad-except
+      _LOG.warning(
+          'tfdpx: pfor cannot vectorize the Jacobian of layer %r; looping '
+          'over examples instead (slower).', call.layer.name)
+      grads = jacobian(False)
+  nan = float('nan')
+  return [tf.where(tf.reshape(finite, [-1] + [1] * v.shape.rank), g,
+                   tf.constant(nan, g.dtype))
+          for v, g in zip(call.variables, grads)]
+
+
+def _fallback_unit(call: _FallbackCall, output_grads, chunk_size,
+                   draws_random_numbers) -> unit_lib.Unit:
+  """The unit of a layer call without a rule."""
+  if draws_random_numbers and call.outputs:
+    grads = _recorded_grads(call, output_grads, chunk_size)
+    return materialized_forms.MaterializedUnit(
+        call.variables, lambda _: grads, [], chunk_size=None)
+  flat = tf.nest.flatten((call.args, call.kwargs))
+  elems = [flat[i] for i in _batched_positions(call)] + list(output_grads)
+  unit = materialized_forms.MaterializedUnit(
+      call.variables, _example_grads(call), elems, chunk_size)
+
+  def weighted_sum(weights, keep):
+    # One weighted backward pass through the recorded call (row b of the
+    # output gradients belongs to example b alone), except in a step that
+    # drops a record, whose non-finite activations would reach the others'
+    # rows of the batched product as 0 * NaN.
+    weighted = [unit_lib.weighted_rows(g, weights, keep)
+                for g in output_grads]
+    recorded = _dense(call.tape.gradient(
+        call.outputs, call.variables, output_gradients=weighted,
+        unconnected_gradients=tf.UnconnectedGradients.ZERO))
+    return tf.cond(tf.reduce_all(keep), lambda: recorded,
+                   lambda: unit.materialized_weighted_sum(weights, keep))
+
+  unit.set_weighted_sum(weighted_sum)
+  return unit
+
+
+def model_gradients(model: tf.keras.Model, inputs: Any,
+                    per_example_loss: Callable[[Any], tf.Tensor],
+                    var_list: Sequence[tf.Variable],
+                    chunk_size: int = 128,
+                    use_rules: bool = True) -> per_example.GradientResult:
+  """The per-example gradients of a Keras model, from one batched pass.
+
+  Each example's gradient is the gradient of its loss through the very
+  forward pass that produced the loss (the same dropout masks). An example
+  whose gradient is not finite is dropped (`dropped_records`) before anything
+  else sees it.
+
+  Args:
+    model: a Keras model whose layers treat examples independently.
+    inputs: the batch's inputs.
+    per_example_loss: maps the model's outputs to the `[B]` loss vector (with
+      any sample weights applied).
+    var_list: the variables to differentiate, usually
+      `model.trainable_variables`.
+    chunk_size: examples per chunk where per-example gradients are formed
+      (the fallback, convolutions' statistics) and rows per pass of a random
+      layer's Jacobian.
+    use_rules: False sends every layer to the fallback (for tests and
+      benchmarks).
+
+  Returns:
+    A `per_example.GradientResult` whose `grads` answer per-example
+    statistics. Gradients exclude `model.losses`, whose gradient is returned
+    separately.
+
+  Raises:
+    ValueError: if a term of `model.losses` depends on the inputs, or a
+      variable of `var_list` is read outside the model's layer calls (e.g. by
+      the loss).
+  """
+  inputs = tf.nest.map_structure(tf.convert_to_tensor, inputs)
+  with tf.GradientTape(persistent=True) as tape:
+    recorder = _Recorder(tape, use_rules, var_list)
+    outputs = recorder.run(model, inputs)
+    with tf.GradientTape() as loss_tape:
+      losses = per_example_loss(outputs)
+    recorder.read_outside(loss_tape.watched_variables())
+    total = tf.reduce_sum(losses)
+    terms = model.losses
+    regularization = tf.add_n(terms) if terms else None
+
+  if recorder.unattributed:
+    names = list(dict.fromkeys(v.name for v in recorder.unattributed))
+    raise ValueError(
+        f'trainable variables {names} are read outside the layer calls of '
+        'the model that tfdpx can account for (by the loss, or by a layer '
+        'rule that does not give their gradient): tfdpx cannot tell which '
+        'examples their gradient comes from. Read them inside a layer (a '
+        'custom layer that receives the variable), or train without '
+        'make_private.')
+  if tf.executing_eagerly() and (terms or recorder.fallback_calls):
+    random, dependent = _traced_analysis(model, inputs, use_rules, var_list)
+  else:
+    random, dependent = _analysis(recorder, model, terms, inputs)
+  if dependent:
+    raise ValueError(
+        f'a loss added with add_loss in layer(s) {dependent} depends on the '
+        'data (on the model inputs, through any operation, including integer '
+        'inputs and tf.stop_gradient). Models made private add the gradient '
+        'of model.losses outside the clipped per-example sum, which is only '
+        'private for terms that do not depend on the data (weight '
+        'regularizers); put data-dependent terms into the per-example loss.')
+  if len(random) != len(recorder.fallback_calls):
+    random = [True] * len(recorder.fallback_calls)  # Eager and trace differ.
+
+  regularization_grads = None
+  if regularization is not None:
+    regularization_grads = tape.gradient(
+        regularization, list(var_list),
+        unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+  taps = [tap for _, _, _, tap in recorder.rule_calls]
+  fallback_outputs = [call.outputs for call in recorder.fallback_calls]
+  grads = tape.gradient(total, [taps, fallback_outputs],
+                        unconnected_gradients=tf.UnconnectedGradients.ZERO)
+  units = [
+      rule.make_unit(layer_rules.RuleCall(layer, layer_inputs, tap, tap_grad,
+                                          tape, chunk_size))
+      for (layer, rule, layer_inputs, tap), tap_grad in zip(
+          recorder.rule_calls, grads[0])
+  ] + [
+      _fallback_unit(call, out_grads, chunk_size, draws)
+      for call, out_grads, draws in zip(recorder.fallback_calls, grads[1],
+                                        random)
+  ]
+  value = per_example.UnitGradients(var_list, units, tf.shape(losses)[0])
+  return per_example.GradientResult(value, outputs, losses, regularization,
+                                    regularization_grads,
+                                    value.dropped_records())
+
+
+def public_gradients(model: tf.keras.Model, inputs: Any, targets: Any,
+                     per_example_loss: Callable[[Any, Any], tf.Tensor],
+                     var_list: Sequence[tf.Variable],
+                     chunk_size: int,
+                     use_rules: bool = True) -> List[tf.Tensor]:
+  """Per-example gradients of public examples, computed in chunks.
+
+  Args:
+    model: the model.
+    inputs: the public inputs (all of them).
+    targets: the public targets.
+    per_example_loss: `per_example_loss(targets, outputs) -> [B]`.
+    var_list: the variables to differentiate.
+    chunk_size: public examples per pass of the engine.
+    use_rules: as in `model_gradients`.
+
+  Returns:
+    One `[num_public, *var.shape]` tensor per variable. Never clipped or
+    noised: public data costs no privacy.
+  """
+  structure = (inputs, targets)
+  flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(structure)]
+
+  def chunk_grads(chunk):
+    chunk_inputs, chunk_targets = tf.nest.pack_sequence_as(structure, chunk)
+    result = model_gradients(
+        model, chunk_inputs,
+        lambda outputs: per_example_loss(chunk_targets, outputs), var_list,
+        chunk_size, use_rules)
+    return result.grads.materialized()
+
+  signature = [tf.TensorSpec(v.shape, v.dtype) for v in var_list]
+  return chunks.map_rows(chunk_grads, flat, chunk_size, signature)
