@@ -219,7 +219,6 @@ def test_is_a_tensorflow_privacy_optimizer():
     ({'clipnorm': 1.0}, 'clipnorm'),
     ({'clipvalue': 1.0}, 'clipvalue'),
     ({'global_clipnorm': 1.0}, 'global_clipnorm'),
-    ({'l2_norm_clip': 1.0, 'noise_multiplier': 1.0}, 'expected_batch_size'),
     ({'l2_norm_clip': 1.0, 'expected_batch_size': 8}, 'noise_multiplier'),
     ({'privatizer': gaussian(1, 1), 'l2_norm_clip': 1.0,
       'expected_batch_size': 8}, 'l2_norm_clip'),
@@ -229,6 +228,10 @@ def test_is_a_tensorflow_privacy_optimizer():
       'expected_batch_size': 0}, 'expected_batch_size'),
     ({'l2_norm_clip': 1.0, 'noise_multiplier': 1.0, 'num_microbatches': 0},
      'num_microbatches'),
+    ({'l2_norm_clip': 1.0, 'noise_multiplier': 1.0, 'num_microbatches': True},
+     'num_microbatches'),
+    ({'l2_norm_clip': 1.0, 'noise_multiplier': 1.0,
+      'unconnected_gradients_to_zero': 0.15}, 'unconnected_gradients_to_zero'),
 ])
 def test_bad_arguments_are_refused_by_name(kwargs, match):
   with pytest.raises(ValueError, match=match):
