@@ -14,6 +14,7 @@ from typing import Optional
 import dp_accounting
 import numpy as np
 import tensorflow as tf
+from keras.src import backend as keras_backend
 from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras_vectorized as tfp_vectorized
 
 from tfdpx import accounting
@@ -57,9 +58,10 @@ def _key_variable(name: str, value: Optional[int]) -> tf.Variable:
 
   A plain variable, not an optimizer weight, so that no checkpoint tracks it.
   `value` None draws a secret from the operating system. In TF1 graph mode
-  (Estimator, `get_updates`) it is a local variable, which savers leave out,
-  and the secret is drawn by its initializer when a session runs it, not
-  written into the graph as a constant (Estimator saves the graph).
+  (`get_updates`: Estimator, Keras without eager execution) it is a local
+  variable, which savers leave out, initialized by Keras's session too, and
+  the secret is drawn by its initializer when a session runs it, not written
+  into the graph as a constant (Estimator saves the graph).
 
   Args:
     name: the variable's name.
@@ -75,10 +77,12 @@ def _key_variable(name: str, value: Optional[int]) -> tf.Variable:
         lambda: np.int64(_secret_seed()), [], tf.int64, stateful=True), [])
   else:
     initial = tf.constant(value, tf.int64)
-  return tf.compat.v1.Variable(
+  variable = tf.compat.v1.Variable(
       initial, trainable=False, name=name, use_resource=True,
       aggregation=aggregation,
       collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+  keras_backend.track_variable(variable)  # Keras's session initializes it.
+  return variable
 
 
 def _check_connected(grads, var_list):
@@ -255,10 +259,9 @@ class DPOptimizerMixin:
     """
     if self._num_microbatches is None:
       return 1
-    if self._examples_per_record is None:
-      return None
     with tf.init_scope():
-      return int(tf.keras.backend.get_value(self._examples_per_record)) or None
+      seen = int(tf.keras.backend.get_value(self._examples_per_record_seen))
+    return seen or None
 
   @property
   def records_are_microbatches(self) -> bool:
@@ -278,6 +281,22 @@ class DPOptimizerMixin:
     if self.records_are_microbatches:
       event = accounting.scale_sensitivity(event, 2.0)
     return event
+
+  @property
+  def _examples_per_record_seen(self) -> tf.Variable:
+    """The variable behind `examples_per_record` (with `num_microbatches`).
+
+    Created on first use, so that a checkpoint restores it even before the
+    first step; it joins `weights` (the order `.h5` files keep) only with
+    the other DP weights, in `_create_dp_weights`.
+    """
+    if self._examples_per_record is None:
+      with tf.init_scope():
+        self._examples_per_record = self.add_weight(
+            'dp_examples_per_record', shape=[], dtype=tf.int64,
+            trainable=False,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    return self._examples_per_record
 
   @property
   def dp_steps(self) -> tf.Variable:
@@ -319,12 +338,7 @@ class DPOptimizerMixin:
         self._weights.append(variable)
     _ = self.dp_steps
     if self._num_microbatches is not None:
-      with tf.init_scope():
-        self._examples_per_record = self.add_weight(
-            'dp_examples_per_record', shape=[], dtype=tf.int64,
-            trainable=False,
-            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-      self._weights.append(self._examples_per_record)
+      self._weights.append(self._examples_per_record_seen)
 
   def _next_noise_key(self) -> tf.Tensor:
     """The key of this step's noise, `[secret, release counter]`; advances it.
@@ -453,8 +467,8 @@ class DPOptimizerMixin:
       updates.append(self.dp_steps.assign_add(1))
       if self._num_microbatches is not None and num_examples is not None:
         per_record = tf.cast(num_examples // self._num_microbatches, tf.int64)
-        updates.append(self._examples_per_record.assign(
-            tf.maximum(self._examples_per_record, per_record)))
+        seen = self._examples_per_record_seen
+        updates.append(seen.assign(tf.maximum(seen, per_record)))
     dtype = noisy_sum[0].dtype
     denominator = self.denominator
     if denominator is None:  # The realized (global) batch size.
@@ -620,8 +634,8 @@ class DPOptimizerMixin:
     self._create_all_weights(var_list)
     saved = restored._trackable_children()  # pylint: disable=protected-access
     variables = [self.iterations, self.dp_steps] + self._dp_state_vars
-    if self._examples_per_record is not None:
-      variables.append(self._examples_per_record)
+    if self._num_microbatches is not None:
+      variables.append(self._examples_per_record_seen)
     for variable in variables:
       name = variable.name.split('/')[-1].split(':')[0]
       if name in saved:
