@@ -185,7 +185,7 @@ def _group_runs(events) -> dp_accounting.ComposedDpEvent:
 
 
 def _has_public_denominator(source) -> bool:
-  """False for an optimizer that divides by the realized batch size."""
+  """False for an optimizer that divides by a batch size it saw."""
   return not hasattr(source, 'denominator') or source.denominator is not None
 
 
@@ -194,11 +194,11 @@ def _refuse_microbatches_under_poisson(source):
     raise ValueError(
         'expected_batch_size: this optimizer was given neither '
         'expected_batch_size nor num_microbatches, so it divides each noisy '
-        'sum by the realized batch size, as tensorflow-privacy does; the size '
-        'of a Poisson-sampled batch depends on the data, so no Poisson-'
-        'sampling epsilon bounds it. Pass expected_batch_size=<expected batch '
-        "size> to train with Poisson sampling, or account with "
-        "sampling='shuffle' (fixed-size batches).")
+        'sum by the size of its first batch (tensorflow-privacy: of each '
+        'batch); the size of a Poisson-sampled batch depends on the data, so '
+        'no Poisson-sampling epsilon bounds it. Pass expected_batch_size='
+        '<expected batch size> to train with Poisson sampling, or account '
+        "with sampling='shuffle' (fixed-size batches).")
   if getattr(source, 'records_are_microbatches', False):
     raise ValueError(
         'num_microbatches: this optimizer averages microbatches of rows, and '
@@ -629,8 +629,8 @@ def privacy_statement(
   public_denominator = _has_public_denominator(source)
   if not public_denominator:
     lines.append(
-        '  denominator: the realized batch size (no expected_batch_size), '
-        'public only for fixed-size batches.')
+        '  denominator: the size of the first batch (no expected_batch_size '
+        'given), public for fixed-size shuffled batches.')
   if sampling == 'poisson':
     lines += [
         '  sampling: Poisson, as the accountant assumes.',
@@ -649,8 +649,8 @@ def privacy_statement(
       lines.append('  (no Poisson-sampling figure: microbatch records are not '
                    'bounded under Poisson sampling)')
     elif not public_denominator:
-      lines.append('  (no Poisson-sampling figure: the realized size of a '
-                   'Poisson batch is not public)')
+      lines.append('  (no Poisson-sampling figure: the size of a Poisson '
+                   'batch is not public)')
     else:
       poisson = epsilon(source, steps=steps, sampling_probability=q,
                         delta=delta)

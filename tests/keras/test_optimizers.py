@@ -381,9 +381,10 @@ def test_unconnected_gradients_to_zero_both_ways(to_zero):
   assert not np.allclose(used[0], model.used.weights[0].numpy())
 
 
-def test_without_a_public_denominator_the_realized_batch_size_divides():
-  # As tensorflow-privacy: neither num_microbatches nor expected_batch_size.
-  # 24 examples in batches of 16: the last batch has 8.
+def test_without_a_public_denominator_the_first_batch_size_divides():
+  # Neither num_microbatches nor expected_batch_size, as tensorflow-privacy
+  # allows: the size of the first batch divides every step. A smaller last
+  # batch divided by its own size would reveal the number of examples.
   x, y = _data(n=24)
   private, plain = _mlp(), _mlp()
   optimizer = tfdpx.keras.DPSGD(1e9, 0.0, learning_rate=0.1)
@@ -391,10 +392,16 @@ def test_without_a_public_denominator_the_realized_batch_size_divides():
   private.compile(optimizer, _loss())
   plain.compile(tf.keras.optimizers.legacy.SGD(0.1),
                 _loss('sum_over_batch_size'))
-  private.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-  plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+  for model in (private, plain):
+    model.fit(x[:16], y[:16], batch_size=16, verbose=0)
   for a, b in zip(private.get_weights(), plain.get_weights()):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  before = plain.get_weights()
+  for model in (private, plain):
+    model.fit(x[16:], y[16:], batch_size=8, verbose=0)
+  for start, a, b in zip(before, private.get_weights(), plain.get_weights()):
+    np.testing.assert_allclose(a - start, (b - start) / 2, rtol=1e-4,
+                               atol=1e-7)
 
 
 def test_without_a_public_denominator_no_poisson_epsilon_is_claimed():
@@ -405,7 +412,7 @@ def test_without_a_public_denominator_no_poisson_epsilon_is_claimed():
   statement = tfdpx.accounting.privacy_statement(
       optimizer, sampling='shuffle', steps=10, num_examples=1000,
       expected_batch_size=10, delta=1e-5)
-  assert 'denominator: the realized batch size' in statement
+  assert 'denominator: the size of the first batch' in statement
   assert 'assuming Poisson sampling' not in statement
 
 

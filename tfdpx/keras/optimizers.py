@@ -148,9 +148,11 @@ class DPOptimizerMixin:
       expected_batch_size: the public denominator of the noisy sum (the
         expected number of examples per batch), the one to pass for Poisson
         sampling. Without it the denominator is `num_microbatches` or, if that
-        is None too, the realized batch size, as in tensorflow-privacy: a
-        public number only for batches of a fixed size (shuffled batches), so
-        such an optimizer's Poisson-sampling epsilon is refused.
+        is None too, the batch size of the first step: public for shuffled
+        fixed-size batches (tensorflow-privacy divides by each step's batch
+        size, which for a smaller last batch reveals the number of
+        examples), not for Poisson-sampled ones, so such an optimizer's
+        Poisson-sampling epsilon is refused.
       noise_seed: a known integer key of the noise, for reproducible
         experiments only: anyone who knows it can subtract the noise, so a
         run with it is NOT private (`noise_seed_is_known`, and every privacy
@@ -222,6 +224,7 @@ class DPOptimizerMixin:
     self._dp_state_structure = None
     self._dp_steps = None
     self._examples_per_record = None
+    self._first_batch_size = None
     self._warned_jacobian = False
     self._warned_no_model = False
     self._eagerly_checked = None  # id() of the model checked in eager mode.
@@ -236,9 +239,11 @@ class DPOptimizerMixin:
   def denominator(self) -> Optional[float]:
     """The public number the noisy sum is divided by.
 
-    None if there is none (neither `num_microbatches` nor
-    `expected_batch_size` given): each step then divides by its realized
-    batch size, as tensorflow-privacy does.
+    None if none was given (neither `num_microbatches` nor
+    `expected_batch_size`): every step then divides by the batch size of the
+    first step, a public number for shuffled fixed-size batches (tensorflow-
+    privacy divides by each step's own, which for a last, smaller batch
+    reveals the number of examples).
     """
     if self._num_microbatches is not None:
       return float(self._num_microbatches)
@@ -339,6 +344,12 @@ class DPOptimizerMixin:
     _ = self.dp_steps
     if self._num_microbatches is not None:
       self._weights.append(self._examples_per_record_seen)
+    if self.denominator is None:
+      with tf.init_scope():
+        self._first_batch_size = self.add_weight(
+            'dp_first_batch_size', shape=[], dtype=tf.int64, trainable=False,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+      self._weights.append(self._first_batch_size)
 
   def _next_noise_key(self) -> tf.Tensor:
     """The key of this step's noise, `[secret, release counter]`; advances it.
@@ -393,13 +404,14 @@ class DPOptimizerMixin:
       public_grads: per-example gradients of public data, for privatizers that
         need them.
       num_examples: the number of examples (rows of this replica's batch)
-        the records were formed from, a scalar tensor; by default the number
-        of records. With `num_microbatches` it tells how many examples each
-        record held (`examples_per_record`).
+        the records were formed from, a scalar tensor; without
+        `num_microbatches`, by default, the number of records. With it, it
+        tells how many examples each record held (`examples_per_record`).
 
     Returns:
       One gradient per variable: the privatizer's noisy sum divided by
-      `denominator` (if None, by the realized global batch size), and, under
+      `denominator` (if None, by the global batch size of the first step),
+      and, under
       `tf.distribute`, by the number of replicas, since `apply_gradients`
       sums the replicas' identical shares.
 
@@ -447,9 +459,9 @@ class DPOptimizerMixin:
   def _privatized(self, var_list, update, num_examples=None):
     """Runs `update(state, seed)`, keeps its new state, returns the mean.
 
-    `num_examples` (this replica's batch size, a scalar tensor, or None) is
-    the denominator when there is no public one, and with `num_microbatches`
-    tells how many examples each record held.
+    `num_examples` (this replica's batch size, a scalar tensor, or None)
+    gives the denominator at the first step when none was given, and with
+    `num_microbatches` how many examples each record held.
     """
     with tf.init_scope():
       self._create_all_weights(var_list)
@@ -469,11 +481,13 @@ class DPOptimizerMixin:
         per_record = tf.cast(num_examples // self._num_microbatches, tf.int64)
         seen = self._examples_per_record_seen
         updates.append(seen.assign(tf.maximum(seen, per_record)))
-    dtype = noisy_sum[0].dtype
-    denominator = self.denominator
-    if denominator is None:  # The realized (global) batch size.
-      denominator = tf.maximum(
-          noise.replica_sum([tf.cast(num_examples, dtype)])[0], 1.0)
+      denominator = self.denominator
+      if denominator is None:  # The global batch size of the first step.
+        first = self._first_batch_size
+        batch_size = noise.replica_sum(
+            [tf.cast(num_examples, tf.int64)])[0]
+        denominator = tf.where(first > 0, first, tf.maximum(batch_size, 1))
+        updates.append(first.assign(denominator))
     # Under tf.distribute every replica holds the same global noisy sum, and
     # apply_gradients sums the replicas' gradients: each returns its share.
     context = tf.distribute.get_replica_context()
@@ -628,15 +642,12 @@ class DPOptimizerMixin:
 
     Args:
       restored: the trackable with the saved variables (by name: `iter`,
-        `dp_steps`, `dp_state_<i>`).
+        `dp_steps`, `dp_state_<i>`, ...).
       var_list: the model's trainable variables.
     """
     self._create_all_weights(var_list)
     saved = restored._trackable_children()  # pylint: disable=protected-access
-    variables = [self.iterations, self.dp_steps] + self._dp_state_vars
-    if self._num_microbatches is not None:
-      variables.append(self._examples_per_record_seen)
-    for variable in variables:
+    for variable in self.weights:
       name = variable.name.split('/')[-1].split(':')[0]
       if name in saved:
         variable.assign(saved[name])
