@@ -30,11 +30,11 @@ _LOG = logging.getLogger(__name__)
 
 JACOBIAN_WARNING = (
     'tfdpx: per-example gradients by tape.jacobian (the compile path) cost '
-    'the square of the batch size: at batch 256 a step of the tensorflow-'
-    'privacy tutorial CNN measured 100 to 200 times a non-private step. Train '
+    'the square of the batch size: at batch 250 a step of the tensorflow-'
+    'privacy tutorial CNN measured 350 times a non-private step. Train '
     'tfdpx.keras.make_private(model) instead: the same optimizer, per-layer '
-    'per-example gradients in linear time (1.4 times a non-private step on '
-    'that CNN; see benchmarks/README.md).')
+    'per-example gradients in linear time (3 to 5 times a non-private step '
+    'on that CNN; see docs/migration.md).')
 
 NO_MODEL_WARNING = (
     'tfdpx: this optimizer was not called from the train step of the Keras '
