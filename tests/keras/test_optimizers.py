@@ -497,7 +497,8 @@ def test_get_updates_privatizes_in_graph_mode():
         session.run(train, {x: np.ones((batch, 100), 'float32')})
         releases.append(session.run(layer.kernel) - before)
       assert session.run(optimizer.dp_steps) == 2
-      secret = session.run(optimizer._noise_key[0])  # pylint: disable=protected-access
+      # pylint: disable-next=protected-access
+      secret = session.run(optimizer._noise_key[0])
     saved = {v.name for v in tf.compat.v1.global_variables()}
   assert not any('noise' in name for name in saved), saved
   constants = [tf.make_ndarray(node.attr['value'].tensor)

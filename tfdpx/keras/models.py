@@ -5,8 +5,10 @@ whose `train_step` computes per-example gradients with the linear-time engine
 (`tfdpx.per_example.model_gradients`: per-layer rules, vectorized fallback)
 instead of the optimizer's `tape.jacobian`, then hands them to the optimizer's
 `privatize`, the same call the compile path makes. `DPModel` and
-`DPSequential` are the classes behind it, for subclassing. See
-docs/per_example.md.
+`DPSequential` are the classes behind it, for subclassing; built with
+tensorflow-privacy's DP model arguments (`l2_norm_clip`, `noise_multiplier`,
+...) they train with a plain Keras optimizer, as tensorflow-privacy's do
+(docs/migration.md). See docs/per_example.md.
 """
 
 import numbers
@@ -88,12 +90,13 @@ def _unreduced(loss, y_true, y_pred, sample_weight) -> tf.Tensor:
 
 def _reduces_over_batch(container) -> bool:
   """Whether a built loss container's losses reduce over the batch."""
+  losses = container._losses  # pylint: disable=protected-access
   return any(loss.reduction != losses_utils.ReductionV2.NONE
-             for loss in container._losses if loss is not None)  # pylint: disable=protected-access
+             for loss in losses if loss is not None)
 
 
-# tensorflow-privacy's optimizer behind each base optimizer a DP model with
-# DP arguments converts, and the hyperparameters it takes over.
+# The tfdpx optimizer a model with DP arguments makes of each plain Keras
+# optimizer at compile, and the hyperparameters it takes over.
 _DP_OPTIMIZERS = (
     ((tf.keras.optimizers.SGD, tf.keras.optimizers.legacy.SGD),
      optimizers.DPSGD, ('learning_rate', 'momentum', 'nesterov')),
@@ -107,6 +110,7 @@ _DP_OPTIMIZERS = (
 
 
 def _refuse_positional_dp_arguments(cls, args):
+  """Refuses tensorflow-privacy's DP arguments given by position."""
   if args and isinstance(args[0], numbers.Number):
     raise ValueError(
         f'{cls.__name__}({", ".join(map(repr, args))}, ...): tensorflow-'

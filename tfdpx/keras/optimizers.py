@@ -410,10 +410,9 @@ class DPOptimizerMixin:
 
     Returns:
       One gradient per variable: the privatizer's noisy sum divided by
-      `denominator` (if None, by the global batch size of the first step),
-      and, under
-      `tf.distribute`, by the number of replicas, since `apply_gradients`
-      sums the replicas' identical shares.
+      `denominator` (if None, by the global batch size of the first step)
+      and, under `tf.distribute`, by the number of replicas, since
+      `apply_gradients` sums the replicas' identical shares.
 
     Raises:
       ValueError: if the privatizer needs public gradients and none are given.
