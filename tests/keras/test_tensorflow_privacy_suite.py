@@ -88,12 +88,16 @@ def _cases(module, substitute):
         yield (f'{cls.__name__}.{name}', cls, name) + substituted
 
 
+def _tfdpx_optimizer(argument):
+  """tfdpx's class for a vectorized tensorflow-privacy class, else None."""
+  return TFDPX_OPTIMIZERS.get(argument) if isinstance(argument, type) else None
+
+
 def _optimizer_arguments(args, kwargs):
-  if not any(a in TFDPX_OPTIMIZERS for a in (*args, *kwargs.values())):
+  if not any(map(_tfdpx_optimizer, (*args, *kwargs.values()))):
     return None
-  swap = lambda a: TFDPX_OPTIMIZERS.get(a, a) if isinstance(a, type) else a
-  return (tuple(swap(a) for a in args),
-          {k: swap(v) for k, v in kwargs.items()})
+  swap = lambda a: _tfdpx_optimizer(a) or a
+  return (tuple(map(swap, args)), {k: swap(v) for k, v in kwargs.items()})
 
 
 def _model_arguments(args, kwargs):
@@ -102,6 +106,7 @@ def _model_arguments(args, kwargs):
 
 def _with_tfdpx_models(function):
   """`function` with `dp_keras_model` in its globals resolving to tfdpx's."""
+  assert 'dp_keras_model' in function.__code__.co_names, function
   return types.FunctionType(
       function.__code__,
       {**function.__globals__, 'dp_keras_model': TFDPX_MODELS},
@@ -145,6 +150,10 @@ def _run(cls, name, args, kwargs, models):
   case.run(result)
   problems = result.errors + result.failures
   return '\n'.join(text for _, text in problems) if problems else None
+
+
+def test_every_expected_difference_names_a_case_that_runs():
+  assert set(EXPECTED_DIFFERENCES) <= {case.values[0] for case in CASES}
 
 
 @pytest.mark.parametrize('case_id, cls, name, args, kwargs, models', CASES)
