@@ -1,0 +1,201 @@
+"""The per-example gradients of one batch, as statistics on demand.
+
+A privatizer never needs the per-example gradients `g_i` themselves, only a
+few per-example statistics and one weighted sum (DESIGN.md, "Data flow";
+`shared/notes/per-example-statistics.md`):
+
+| noise step | statistics | release |
+|---|---|---|
+| DP-SGD, D2P2, GeoDP | `sq_norms` | `weighted_sum` |
+| DPDR | `sq_norms`, `dots` with the base (one direction per variable) | `weighted_sum`, plus the base |
+| RS (around any step) | the inner step's, of `masked(masks)` | the same, masked |
+| GEP | `sq_norms`, `dots` with the k basis vectors of each group | `weighted_sum`, plus the basis |
+
+`PerExampleGradients` is that interface. `MaterializedGradients` answers it
+from `[B, *var.shape]` tensors (the compile path's Jacobian, microbatch
+records, tests); the engine of models made private answers it layer by layer
+(ghost norms, segment sums, chunked materialization) without forming those
+tensors where a cheaper exact form exists. Every privatizer takes either
+(`as_per_example_gradients`).
+
+Rows are the examples of this replica's batch. Statistics are float32; sums
+have each variable's dtype and cover this replica only: privatizers
+all-reduce them with `tfdpx.noise.replica_sum` under `tf.distribute`.
+"""
+
+import abc
+from typing import List, Optional, Sequence, Union
+
+import tensorflow as tf
+
+Directions = Sequence[Optional[tf.Tensor]]
+
+
+def _flat(tensor: tf.Tensor, leading: int = 1) -> tf.Tensor:
+  """`tensor` with its first `leading` axes kept and the rest flattened."""
+  shape = tf.shape(tensor)
+  return tf.reshape(tensor, tf.concat([shape[:leading], [-1]], axis=0))
+
+
+class PerExampleGradients(abc.ABC):
+  """The per-example gradients of one batch, one block per variable.
+
+  `g_iv` is example `i`'s gradient for variable `v` (shape `shapes[v]`).
+  """
+
+  @property
+  @abc.abstractmethod
+  def shapes(self) -> List[tf.TensorShape]:
+    """The variables' shapes, in order."""
+
+  @property
+  @abc.abstractmethod
+  def dtypes(self) -> List[tf.DType]:
+    """The variables' dtypes, in order."""
+
+  @abc.abstractmethod
+  def batch_size(self) -> tf.Tensor:
+    """The number of rows B (this replica's examples), an int32 scalar."""
+
+  @abc.abstractmethod
+  def sq_norms(self) -> List[tf.Tensor]:
+    """`|g_iv|^2`: one float32 `[B]` per variable."""
+
+  @abc.abstractmethod
+  def dots(self, directions: Directions) -> List[Optional[tf.Tensor]]:
+    """`<g_iv, d_jv>` for k_v directions per variable.
+
+    Args:
+      directions: per variable, a `[k_v, *shape]` tensor of directions, or
+        None for a variable that is not needed.
+
+    Returns:
+      Per variable, a float32 `[B, k_v]`, or None where `directions` is None.
+    """
+
+  @abc.abstractmethod
+  def masked_sq_norms(self, masks: Sequence[tf.Tensor]) -> List[tf.Tensor]:
+    """`|m_v * g_iv|^2` for one mask `m_v` (shaped like the variable) each."""
+
+  @abc.abstractmethod
+  def weighted_sum(self, weights: tf.Tensor) -> List[tf.Tensor]:
+    """`sum_i w_i g_iv` over this replica's rows, one tensor per variable.
+
+    Args:
+      weights: float32 `[B]`.
+    """
+
+  @abc.abstractmethod
+  def materialized(self) -> List[tf.Tensor]:
+    """`g_iv` itself: one `[B, *shape]` tensor per variable (escape hatch)."""
+
+  def masked(self, masks: Sequence[tf.Tensor]) -> 'PerExampleGradients':
+    """The gradients `m_v * g_iv`, for data-independent masks `m_v`."""
+    return MaskedGradients(self, masks)
+
+
+def global_sq_norms(grads: PerExampleGradients) -> tf.Tensor:
+  """`|g_i|^2` over all variables together, float32 `[B]`."""
+  return tf.add_n(grads.sq_norms())
+
+
+class MaterializedGradients(PerExampleGradients):
+  """Statistics of explicitly given `[B, *var.shape]` tensors."""
+
+  def __init__(self, per_example_grads: Sequence[tf.Tensor]):
+    self._grads = [tf.convert_to_tensor(g) for g in per_example_grads]
+    if not self._grads:
+      raise ValueError('per_example_grads is empty')
+
+  @property
+  def shapes(self):
+    return [g.shape[1:] for g in self._grads]
+
+  @property
+  def dtypes(self):
+    return [g.dtype for g in self._grads]
+
+  def batch_size(self):
+    return tf.shape(self._grads[0])[0]
+
+  def sq_norms(self):
+    flats = [_flat(tf.cast(g, tf.float32)) for g in self._grads]
+    # A contraction, not a [B, ...] temporary of squares.
+    return [tf.einsum('bn,bn->b', f, f) for f in flats]
+
+  def dots(self, directions):
+    if len(directions) != len(self._grads):
+      raise ValueError(f'directions has {len(directions)} entries for '
+                       f'{len(self._grads)} variables')
+    out = []
+    for g, d in zip(self._grads, directions):
+      if d is None:
+        out.append(None)
+        continue
+      out.append(tf.matmul(_flat(tf.cast(g, tf.float32)),
+                           _flat(tf.cast(d, tf.float32)), transpose_b=True))
+    return out
+
+  def masked_sq_norms(self, masks):
+    return MaterializedGradients(
+        [g * tf.cast(m, g.dtype) for g, m in zip(self._grads, masks)]
+    ).sq_norms()
+
+  def weighted_sum(self, weights):
+    return [tf.tensordot(tf.cast(weights, g.dtype), g, axes=1)
+            for g in self._grads]
+
+  def materialized(self):
+    return list(self._grads)
+
+
+class MaskedGradients(PerExampleGradients):
+  """`m_v * g_iv` for per-variable masks `m_v` that do not depend on the data."""
+
+  def __init__(self, grads: PerExampleGradients, masks: Sequence[tf.Tensor]):
+    if len(masks) != len(grads.shapes):
+      raise ValueError(f'masks has {len(masks)} entries for '
+                       f'{len(grads.shapes)} variables')
+    self._grads = grads
+    self._masks = [tf.convert_to_tensor(m) for m in masks]
+
+  @property
+  def shapes(self):
+    return self._grads.shapes
+
+  @property
+  def dtypes(self):
+    return self._grads.dtypes
+
+  def batch_size(self):
+    return self._grads.batch_size()
+
+  def sq_norms(self):
+    return self._grads.masked_sq_norms(self._masks)
+
+  def dots(self, directions):
+    # <m * g, d> = <g, m * d>.
+    return self._grads.dots([
+        None if d is None else d * tf.cast(m, d.dtype)[tf.newaxis]
+        for d, m in zip(directions, self._masks)])
+
+  def masked_sq_norms(self, masks):
+    return self._grads.masked_sq_norms(
+        [m * tf.cast(n, m.dtype) for m, n in zip(self._masks, masks)])
+
+  def weighted_sum(self, weights):
+    return [s * tf.cast(m, s.dtype)
+            for s, m in zip(self._grads.weighted_sum(weights), self._masks)]
+
+  def materialized(self):
+    return [g * tf.cast(m, g.dtype)[tf.newaxis]
+            for g, m in zip(self._grads.materialized(), self._masks)]
+
+
+def as_per_example_gradients(
+    grads: Union[PerExampleGradients, Sequence[tf.Tensor]]
+) -> PerExampleGradients:
+  """`grads` as a `PerExampleGradients` (a list of `[B, ...]` tensors too)."""
+  if isinstance(grads, PerExampleGradients):
+    return grads
+  return MaterializedGradients(grads)
