@@ -15,11 +15,13 @@ $(STAMP): constraints.txt setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,examples]'
 	touch $(STAMP)
 
+# Two test processes (pytest-xdist): the suite is mostly single-threaded
+# Python and graph tracing, and CI has two cores.
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow" -q
+	$(PY) -m pytest -m "not slow" -q -n 2
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 demo: $(STAMP)
 	$(PY) -m examples.demo

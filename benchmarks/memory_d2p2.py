@@ -42,7 +42,8 @@ def main():
   privatizer = tfdpx.privatizers.d2p2(
       1.0, projection=args.projection, projection_ratio=args.ratio,
       back_projection='unbiased')
-  optimizer = tfdpx.keras.DPSGD(privatizer, expected_batch_size=args.batch,
+  optimizer = tfdpx.keras.DPSGD(privatizer=privatizer,
+                                expected_batch_size=args.batch,
                                 learning_rate=0.1, noise_seed=0)
   variables = model.trainable_variables
   rng = np.random.default_rng(0)

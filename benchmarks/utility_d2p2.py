@@ -64,8 +64,9 @@ def train(privatizer, lr, seed, train_set, test_set, steps, q):
   tf.keras.utils.set_random_seed(seed)
   model = models.tutorial_cnn((28, 28, 1))
   n = len(train_set[0])
-  optimizer = tfdpx.keras.DPSGD(privatizer, expected_batch_size=q * n,
-                                noise_seed=seed, learning_rate=lr)
+  optimizer = tfdpx.keras.DPSGD(privatizer=privatizer,
+                                expected_batch_size=q * n, noise_seed=seed,
+                                learning_rate=lr)
   loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(
       from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
   step = private_step.private_step(model, optimizer, loss_fn)

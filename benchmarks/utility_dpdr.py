@@ -71,7 +71,7 @@ def train_one(privatizer, seed, train, test, steps_per_epoch):
   tf.keras.utils.set_random_seed(seed)
   model = models.tutorial_cnn((28, 28, 1))
   optimizer = tfdpx.keras.DPSGD(
-      privatizer, expected_batch_size=FLAGS.batch,
+      privatizer=privatizer, expected_batch_size=FLAGS.batch,
       learning_rate=FLAGS.learning_rate, noise_seed=seed)
   step = private_step.private_step(model, optimizer, _LOSS)
 

@@ -184,7 +184,21 @@ def _group_runs(events) -> dp_accounting.ComposedDpEvent:
       [dp_accounting.SelfComposedDpEvent(e, count) for e, count in runs])
 
 
+def _has_public_denominator(source) -> bool:
+  """False for an optimizer that divides by a batch size it saw."""
+  return not hasattr(source, 'denominator') or source.denominator is not None
+
+
 def _refuse_microbatches_under_poisson(source):
+  if not _has_public_denominator(source):
+    raise ValueError(
+        'expected_batch_size: this optimizer was given neither '
+        'expected_batch_size nor num_microbatches, so it divides each noisy '
+        'sum by the size of its first batch (tensorflow-privacy: of each '
+        'batch); the size of a Poisson-sampled batch depends on the data, so '
+        'no Poisson-sampling epsilon bounds it. Pass expected_batch_size='
+        '<expected batch size> to train with Poisson sampling, or account '
+        "with sampling='shuffle' (fixed-size batches).")
   if getattr(source, 'records_are_microbatches', False):
     raise ValueError(
         'num_microbatches: this optimizer averages microbatches of rows, and '
@@ -229,8 +243,8 @@ def training_event(
 
   Raises:
     ValueError: for a bad `steps`, `sampling_probability` or step event, or
-      for an optimizer with `num_microbatches` records (not boundable under
-      Poisson sampling).
+      for an optimizer with `num_microbatches` records or without a public
+      denominator (neither boundable under Poisson sampling).
   """
   steps = _steps_of(source, steps)
   q = _checked_sampling_probability(sampling_probability)
@@ -263,7 +277,8 @@ def epsilon(
 
   Raises:
     ValueError: for a bad argument, naming it; for an optimizer with
-      `num_microbatches` records (see `training_event`).
+      `num_microbatches` records or without a public denominator (see
+      `training_event`).
   """
   _check_delta(delta)
   event = training_event(source, steps=steps,
@@ -577,8 +592,9 @@ def privacy_statement(
     The statement, several lines of text.
 
   Raises:
-    ValueError: for an unknown `sampling`, a bad argument, or an optimizer
-      with `num_microbatches` records under Poisson sampling.
+    ValueError: for an unknown `sampling`, a bad argument, or, under Poisson
+      sampling, an optimizer with `num_microbatches` records or without a
+      public denominator.
   """
   q = expected_batch_size / num_examples
   steps = _steps_of(source, steps)
@@ -610,6 +626,11 @@ def privacy_statement(
     lines.append(
         '  records: microbatches; one example changes one microbatch record, '
         'so the sensitivity is doubled (accounted).')
+  public_denominator = _has_public_denominator(source)
+  if not public_denominator:
+    lines.append(
+        '  denominator: the size of the first batch (no expected_batch_size '
+        'given), public for fixed-size shuffled batches.')
   if sampling == 'poisson':
     lines += [
         '  sampling: Poisson, as the accountant assumes.',
@@ -627,6 +648,9 @@ def privacy_statement(
     if microbatches:
       lines.append('  (no Poisson-sampling figure: microbatch records are not '
                    'bounded under Poisson sampling)')
+    elif not public_denominator:
+      lines.append('  (no Poisson-sampling figure: the size of a Poisson '
+                   'batch is not public)')
     else:
       poisson = epsilon(source, steps=steps, sampling_probability=q,
                         delta=delta)

@@ -288,3 +288,92 @@ def test_training_metrics_are_released_only_if_asked(release):
                                         release_training_metrics=release)
   rebuilt = tfdpx.keras.DPSequential.from_config(sequential.get_config())
   assert rebuilt.get_config()['release_training_metrics'] == release
+
+
+# --- tensorflow-privacy's DP model arguments
+
+
+def _dp_sequential(**kwargs):
+  return tfdpx.keras.DPSequential(layers=_cnn().layers, **kwargs)
+
+
+@pytest.mark.parametrize('base, dp_class, hyperparameters', [
+    (lambda: tf.keras.optimizers.SGD(0.1, momentum=0.5), tfdpx.keras.DPSGD,
+     {'learning_rate': 0.1, 'momentum': 0.5}),
+    (lambda: tf.keras.optimizers.Adam(0.01, beta_1=0.8), tfdpx.keras.DPAdam,
+     {'learning_rate': 0.01, 'beta_1': 0.8}),
+    (lambda: tf.keras.optimizers.legacy.Adagrad(0.2), tfdpx.keras.DPAdagrad,
+     {'learning_rate': 0.2}),
+    (lambda: 'sgd', tfdpx.keras.DPSGD, {'learning_rate': 0.01}),
+])
+def test_dp_arguments_compile_a_plain_optimizer_into_its_tfdpx_version(
+    base, dp_class, hyperparameters):
+  model = _dp_sequential(l2_norm_clip=0.5, noise_multiplier=1.0,
+                         num_microbatches=4, expected_batch_size=12)
+  model.compile(base(), _loss('sum_over_batch_size'))
+  optimizer = model.optimizer
+  assert type(optimizer) is dp_class  # pylint: disable=unidiomatic-typecheck
+  assert optimizer.privatizer == gaussian(0.5, 1.0)
+  config = optimizer.get_config()
+  assert (config['num_microbatches'], config['expected_batch_size']) == (4, 12)
+  for name, value in hyperparameters.items():
+    assert config[name] == pytest.approx(value)
+
+
+def test_dp_arguments_train_as_the_tfdpx_optimizer_with_them():
+  # tensorflow-privacy's way (DP arguments on the model, a plain optimizer,
+  # a loss reduced over the batch) and tfdpx's (a tfdpx optimizer, an
+  # unreduced loss) give the same steps.
+  x, y = _data()
+  weights = np.linspace(0.1, 1.0, len(x)).astype('float32')
+  tf_privacy_way = _dp_sequential(l2_norm_clip=0.5, noise_multiplier=0.0)
+  tf_privacy_way.compile(tf.keras.optimizers.SGD(0.5),
+                         _loss('sum_over_batch_size'))
+  tfdpx_way = tfdpx.keras.make_private(_cnn())
+  tfdpx_way.compile(tfdpx.keras.DPSGD(0.5, 0.0, learning_rate=0.5), _loss())
+  start = tfdpx_way.get_weights()
+  for model in (tf_privacy_way, tfdpx_way):
+    model.fit(x, y, sample_weight=weights, batch_size=6, epochs=2,
+              shuffle=False, verbose=0)
+  for a, b, s in zip(tf_privacy_way.get_weights(), tfdpx_way.get_weights(),
+                     start):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert not np.allclose(b, s)
+  assert tf_privacy_way.optimizer.dp_steps.numpy() == 4
+
+
+def test_a_model_with_dp_arguments_reloads(tmp_path):
+  x, y = _data()
+  model = _dp_sequential(l2_norm_clip=0.5, noise_multiplier=1.0,
+                         expected_batch_size=6)
+  model.compile(tf.keras.optimizers.SGD(0.1), _loss('sum_over_batch_size'))
+  model.fit(x, y, batch_size=6, verbose=0)
+  path = str(tmp_path / 'model.keras')
+  model.save(path)
+  loaded = tf.keras.models.load_model(path)
+  assert isinstance(loaded.optimizer, tfdpx.keras.DPSGD)
+  assert loaded.optimizer.get_config() == model.optimizer.get_config()
+  assert loaded.optimizer.dp_steps.numpy() == 2
+  assert loaded.get_config()['l2_norm_clip'] == 0.5
+
+
+@pytest.mark.parametrize('build, compile_with, match', [
+    (lambda: tfdpx.keras.DPSequential(1.0, 0.5, [L.Dense(2)]), None,
+     'keyword-only'),
+    (lambda: _dp_sequential(l2_norm_clip=1.0), None, 'noise_multiplier'),
+    (lambda: _dp_sequential(num_microbatches=2), None, 'num_microbatches'),
+    (lambda: _dp_sequential(l2_norm_clip=1.0, noise_multiplier=0.5,
+                            num_microbatches=True), None, 'num_microbatches'),
+    (lambda: _dp_sequential(l2_norm_clip=-1.0, noise_multiplier=0.5), None,
+     'l2_norm_clip'),
+    (lambda: _dp_sequential(l2_norm_clip=1.0, noise_multiplier=0.5),
+     lambda: tf.keras.optimizers.RMSprop(), 'RMSprop'),
+    (lambda: _dp_sequential(l2_norm_clip=1.0, noise_multiplier=0.5),
+     lambda: tf.keras.optimizers.SGD(weight_decay=0.1), 'weight_decay'),
+    (lambda: _dp_sequential(l2_norm_clip=1.0, noise_multiplier=0.5),
+     lambda: tfdpx.keras.DPSGD(1.0, 2.0), 'DP arguments'),
+])
+def test_bad_dp_arguments_are_refused_by_name(build, compile_with, match):
+  with pytest.raises(ValueError, match=match):
+    model = build()
+    model.compile(compile_with(), _loss('sum_over_batch_size'))

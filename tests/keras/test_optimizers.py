@@ -1,8 +1,12 @@
 """tfdpx Keras optimizers through `model.compile` / `fit` (the Jacobian path)."""
 
+import inspect
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow_privacy.privacy.analysis import compute_dp_sgd_privacy_lib
 from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras_vectorized as tfp_vectorized
 
 import tfdpx
@@ -219,7 +223,6 @@ def test_is_a_tensorflow_privacy_optimizer():
     ({'clipnorm': 1.0}, 'clipnorm'),
     ({'clipvalue': 1.0}, 'clipvalue'),
     ({'global_clipnorm': 1.0}, 'global_clipnorm'),
-    ({'l2_norm_clip': 1.0, 'noise_multiplier': 1.0}, 'expected_batch_size'),
     ({'l2_norm_clip': 1.0, 'expected_batch_size': 8}, 'noise_multiplier'),
     ({'privatizer': gaussian(1, 1), 'l2_norm_clip': 1.0,
       'expected_batch_size': 8}, 'l2_norm_clip'),
@@ -229,6 +232,10 @@ def test_is_a_tensorflow_privacy_optimizer():
       'expected_batch_size': 0}, 'expected_batch_size'),
     ({'l2_norm_clip': 1.0, 'noise_multiplier': 1.0, 'num_microbatches': 0},
      'num_microbatches'),
+    ({'l2_norm_clip': 1.0, 'noise_multiplier': 1.0, 'num_microbatches': True},
+     'num_microbatches'),
+    ({'l2_norm_clip': 1.0, 'noise_multiplier': 1.0,
+      'unconnected_gradients_to_zero': 0.15}, 'unconnected_gradients_to_zero'),
 ])
 def test_bad_arguments_are_refused_by_name(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -318,3 +325,186 @@ def test_model_saved_with_its_optimizer_reloads(tmp_path, filename):
   assert loaded.optimizer.get_config() == model.optimizer.get_config()
   np.testing.assert_allclose(loaded.predict(x, verbose=0),
                              model.predict(x, verbose=0), rtol=1e-6)
+
+
+# --- tensorflow-privacy's arguments (a drop-in for its vectorized optimizers)
+
+
+def test_takes_tensorflow_privacys_positional_arguments():
+  ours = list(inspect.signature(tfdpx.keras.DPSGD.__init__).parameters)
+  theirs = list(inspect.signature(
+      tfp_vectorized.VectorizedDPKerasSGDOptimizer.__init__).parameters)
+  assert ours[:6] == theirs[:6]  # self, the four DP arguments, *args.
+  positional = tfdpx.keras.DPSGD(1.0, 1.1, 8, True, 0.15, 0.9)
+  keyword = tfdpx.keras.DPSGD(
+      l2_norm_clip=1.0, noise_multiplier=1.1, num_microbatches=8,
+      unconnected_gradients_to_zero=True, learning_rate=0.15, momentum=0.9)
+  assert positional.get_config() == keyword.get_config()
+  assert positional.privatizer == gaussian(1.0, 1.1)
+  with pytest.raises(ValueError, match=r'privatizer is keyword-only'):
+    tfdpx.keras.DPSGD(gaussian(1.0, 1.1), expected_batch_size=8)
+
+
+class _WithUnusedLayer(tf.keras.Model):
+  """A model with a trainable layer that the loss does not depend on."""
+
+  def __init__(self):
+    super().__init__()
+    self.used = tf.keras.layers.Dense(2)
+    self.unused = tf.keras.layers.Dense(2)
+    self.unused.build((None, 5))  # Variables 'kernel:0' and 'bias:0'.
+
+  def call(self, inputs):
+    return self.used(inputs)
+
+
+@pytest.mark.parametrize('to_zero', [False, True])
+def test_unconnected_gradients_to_zero_both_ways(to_zero):
+  x, y = _data(n=8)
+  tf.keras.utils.set_random_seed(0)
+  model = _WithUnusedLayer()
+  model(x[:1])  # Builds the used layer.
+  model.compile(tfdpx.keras.DPSGD(l2_norm_clip=1.0, noise_multiplier=0.0,
+                                  unconnected_gradients_to_zero=to_zero,
+                                  learning_rate=0.5), _loss())
+  unused = [w.numpy() for w in model.unused.weights]
+  if not to_zero:  # tensorflow-privacy's default and error.
+    with pytest.raises(ValueError, match=r'None values not supported.*'
+                       r"'kernel:0', 'bias:0'.*"
+                       r'unconnected_gradients_to_zero=True'):
+      model.fit(x, y, batch_size=8, verbose=0)
+    return
+  used = [w.numpy() for w in model.used.weights]
+  model.fit(x, y, batch_size=8, verbose=0)
+  for before, after in zip(unused, model.unused.weights):
+    np.testing.assert_array_equal(before, after.numpy())
+  assert not np.allclose(used[0], model.used.weights[0].numpy())
+
+
+def test_without_a_public_denominator_the_first_batch_size_divides():
+  # Neither num_microbatches nor expected_batch_size, as tensorflow-privacy
+  # allows: the size of the first batch divides every step. A smaller last
+  # batch divided by its own size would reveal the number of examples.
+  x, y = _data(n=24)
+  private, plain = _mlp(), _mlp()
+  optimizer = tfdpx.keras.DPSGD(1e9, 0.0, learning_rate=0.1)
+  assert optimizer.denominator is None
+  private.compile(optimizer, _loss())
+  plain.compile(tf.keras.optimizers.legacy.SGD(0.1),
+                _loss('sum_over_batch_size'))
+  for model in (private, plain):
+    model.fit(x[:16], y[:16], batch_size=16, verbose=0)
+  for a, b in zip(private.get_weights(), plain.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  before = plain.get_weights()
+  for model in (private, plain):
+    model.fit(x[16:], y[16:], batch_size=8, verbose=0)
+  for start, a, b in zip(before, private.get_weights(), plain.get_weights()):
+    np.testing.assert_allclose(a - start, (b - start) / 2, rtol=1e-4,
+                               atol=1e-7)
+
+
+def test_without_a_public_denominator_no_poisson_epsilon_is_claimed():
+  optimizer = tfdpx.keras.DPSGD(1.0, 1.1)
+  with pytest.raises(ValueError, match='expected_batch_size=<expected batch'):
+    tfdpx.accounting.epsilon(optimizer, steps=10, sampling_probability=0.01,
+                             delta=1e-5)
+  statement = tfdpx.accounting.privacy_statement(
+      optimizer, sampling='shuffle', steps=10, num_examples=1000,
+      expected_batch_size=10, delta=1e-5)
+  assert 'denominator: the size of the first batch' in statement
+  assert 'assuming Poisson sampling' not in statement
+
+
+def _tensorflow_privacy_epsilons(n, batch, epochs, noise_multiplier, delta,
+                                 used_microbatching):
+  """Its statement's two figures: once per epoch, and Poisson sampling."""
+  text = compute_dp_sgd_privacy_lib.compute_dp_sgd_privacy_statement(
+      n, batch, epochs, noise_multiplier, delta,
+      used_microbatching=used_microbatching)
+  return [float(e) for e in re.findall(r'Epsilon .*:\s+([\d.]+)', text)]
+
+
+@pytest.mark.parametrize('num_microbatches, used_microbatching',
+                         [(8, False), (4, True)])
+def test_epsilon_agrees_with_tensorflow_privacys_statement(
+    num_microbatches, used_microbatching):
+  # tensorflow-privacy's tutorial sets num_microbatches to the batch size:
+  # each record is one example, and its statement then counts no
+  # microbatching. Half as many microbatches hold two examples each.
+  n, batch, epochs, z, delta = 60000, 8, 3, 1.1, 1e-5
+  x, y = _data(n=batch)
+  model = _mlp()
+  optimizer = tfdpx.keras.DPSGD(l2_norm_clip=1.0, noise_multiplier=z,
+                                num_microbatches=num_microbatches,
+                                learning_rate=0.1)
+  model.compile(optimizer, _loss())
+  model.fit(x, y, batch_size=batch, verbose=0)
+  assert optimizer.examples_per_record == batch // num_microbatches
+  once, poisson = _tensorflow_privacy_epsilons(n, batch, epochs, z, delta,
+                                               used_microbatching)
+  steps = epochs * n // batch
+  assert tfdpx.accounting.epsilon_once_per_epoch(
+      optimizer, steps=steps, steps_per_epoch=n // batch,
+      delta=delta) == pytest.approx(once, abs=1e-3)
+  if not used_microbatching:  # Poisson: refused for microbatches.
+    assert tfdpx.accounting.epsilon(
+        optimizer, steps=steps, sampling_probability=batch / n,
+        delta=delta) == pytest.approx(poisson, abs=1e-3)
+
+
+def test_records_of_several_examples_are_accounted_even_if_declared_single(
+    tmp_path):
+  x, y = _data(n=8)
+  model = _mlp()
+  # Declared one example per record, but fed batches of 8 for 4 records.
+  optimizer = tfdpx.keras.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.1,
+                                num_microbatches=4, expected_batch_size=4,
+                                learning_rate=0.1)
+  assert not optimizer.records_are_microbatches  # Before any step.
+  model.compile(optimizer, _loss())
+  model.fit(x, y, batch_size=8, verbose=0)
+  assert optimizer.examples_per_record == 2
+  assert optimizer.records_are_microbatches
+  assert optimizer.dp_event(0).noise_multiplier == pytest.approx(0.55)
+  # A checkpoint keeps what was seen, also before the next step.
+  path = tf.train.Checkpoint(optimizer=optimizer).save(str(tmp_path / 'c'))
+  restored = tfdpx.keras.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.1,
+                               num_microbatches=4, expected_batch_size=4)
+  tf.train.Checkpoint(optimizer=restored).restore(path)
+  assert restored.examples_per_record == 2
+
+
+def test_get_updates_privatizes_in_graph_mode():
+  """tensorflow-privacy's TF1 path: fresh noise of the claimed std each step.
+
+  The key of the noise must be in no graph (Estimator saves the graph) and in
+  no checkpoint (a saver saves the global variables).
+  """
+  lr, z, c, batch = 0.1, 1.3, 0.8, 8
+  with tf.Graph().as_default() as graph:
+    x = tf.compat.v1.placeholder(tf.float32, [batch, 100])
+    layer = tf.keras.layers.Dense(1000)
+    loss = tf.reduce_sum(0.0 * layer(x), axis=1)  # Zero per-example grads.
+    optimizer = tfdpx.keras.DPSGD(c, z, None, learning_rate=lr)
+    train = optimizer.get_updates(loss, layer.trainable_weights)
+    with tf.compat.v1.Session() as session:
+      session.run([tf.compat.v1.global_variables_initializer(),
+                   tf.compat.v1.local_variables_initializer()])
+      releases = []
+      for _ in range(2):
+        before = session.run(layer.kernel)
+        session.run(train, {x: np.ones((batch, 100), 'float32')})
+        releases.append(session.run(layer.kernel) - before)
+      assert session.run(optimizer.dp_steps) == 2
+      # pylint: disable-next=protected-access
+      secret = session.run(optimizer._noise_key[0])
+    saved = {v.name for v in tf.compat.v1.global_variables()}
+  assert not any('noise' in name for name in saved), saved
+  constants = [tf.make_ndarray(node.attr['value'].tensor)
+               for node in graph.as_graph_def().node if node.op == 'Const']
+  assert not any(np.any(value == secret) for value in constants
+                 if value.dtype == np.int64)
+  expected = lr * z * c / batch  # The realized batch size divides.
+  assert stats.std_matches(releases[0], expected)
+  assert stats.std_matches(releases[1] - releases[0], np.sqrt(2) * expected)

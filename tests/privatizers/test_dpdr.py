@@ -520,7 +520,7 @@ def test_noiseless_dpdr_training_is_plain_sgd():
       from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
   private = model()
   optimizer = tfdpx.keras.DPSGD(
-      privatizers.dpdr(math.inf, 0.0, decomposition_steps=3),
+      privatizer=privatizers.dpdr(math.inf, 0.0, decomposition_steps=3),
       expected_batch_size=8, learning_rate=0.5, noise_seed=0)
   private.compile(optimizer=optimizer, loss=loss)
   private.fit(data, labels, batch_size=8, epochs=5, shuffle=False, verbose=0)

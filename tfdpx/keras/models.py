@@ -5,10 +5,13 @@ whose `train_step` computes per-example statistics with the linear-time engine
 (`tfdpx.keras.recorder.model_gradients`: per-layer forms, vectorized fallback)
 instead of the optimizer's `tape.jacobian`, then hands them to the optimizer's
 `privatize`, the same call the compile path makes. `DPModel` and
-`DPSequential` are the classes behind it, for subclassing. See
-docs/per_example.md.
+`DPSequential` are the classes behind it, for subclassing; built with
+tensorflow-privacy's DP model arguments (`l2_norm_clip`, `noise_multiplier`,
+...) they train with a plain Keras optimizer, as tensorflow-privacy's do
+(docs/migration.md). See docs/per_example.md.
 """
 
+import numbers
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -26,6 +29,7 @@ from tfdpx import per_example
 from tfdpx.keras import optimizers
 from tfdpx.keras import recorder
 from tfdpx.keras import validation
+from tfdpx.privatizers.gaussian import Gaussian
 
 DEFAULT_CHUNK_SIZE = 128
 
@@ -58,7 +62,7 @@ def per_example_loss(model: tf.keras.Model, y_true, y_pred,
       continue
     y_t, y_p, weight = compile_utils.match_dtype_and_rank(y_t, y_p, weight)
     weight = losses_utils.apply_mask(y_p, weight, losses_utils.get_mask(y_p))
-    value = per_example.record_losses(loss(y_t, y_p, sample_weight=weight))
+    value = per_example.record_losses(_unreduced(loss, y_t, y_p, weight))
     if loss_weight is not None:
       value *= loss_weight
     values.append(value)
@@ -68,8 +72,131 @@ def per_example_loss(model: tf.keras.Model, y_true, y_pred,
   return tf.add_n(values)
 
 
+def _unreduced(loss, y_true, y_pred, sample_weight) -> tf.Tensor:
+  """`loss` of each example alone, `[B, ...]`, whatever its reduction.
+
+  A loss reduced over the batch (Keras's default, as tensorflow-privacy's DP
+  models take it) gives, for one example alone, its weighted values averaged
+  (`sum_over_batch_size`) or summed (`sum`) over the other axes.
+  """
+  reduction = loss.reduction
+  if reduction == losses_utils.ReductionV2.NONE:
+    return loss(y_true, y_pred, sample_weight=sample_weight)
+  values = losses_utils.compute_weighted_loss(
+      loss.call(y_true, y_pred), sample_weight,
+      reduction=losses_utils.ReductionV2.NONE)
+  if reduction == losses_utils.ReductionV2.SUM and values.shape.rank > 1:
+    values = tf.reduce_sum(values, axis=list(range(1, values.shape.rank)))
+  return values
+
+
+def _reduces_over_batch(container) -> bool:
+  """Whether a built loss container's losses reduce over the batch."""
+  losses = container._losses  # pylint: disable=protected-access
+  return any(loss.reduction != losses_utils.ReductionV2.NONE
+             for loss in losses if loss is not None)
+
+
+# The tfdpx optimizer a model with DP arguments makes of each plain Keras
+# optimizer at compile, and the hyperparameters it takes over.
+_DP_OPTIMIZERS = (
+    ((tf.keras.optimizers.SGD, tf.keras.optimizers.legacy.SGD),
+     optimizers.DPSGD, ('learning_rate', 'momentum', 'nesterov')),
+    ((tf.keras.optimizers.Adam, tf.keras.optimizers.legacy.Adam),
+     optimizers.DPAdam,
+     ('learning_rate', 'beta_1', 'beta_2', 'epsilon', 'amsgrad')),
+    ((tf.keras.optimizers.Adagrad, tf.keras.optimizers.legacy.Adagrad),
+     optimizers.DPAdagrad,
+     ('learning_rate', 'initial_accumulator_value', 'epsilon')),
+)
+
+
+def _refuse_positional_dp_arguments(cls, args):
+  """Refuses tensorflow-privacy's DP arguments given by position."""
+  if args and isinstance(args[0], numbers.Number):
+    raise ValueError(
+        f'{cls.__name__}({", ".join(map(repr, args))}, ...): tensorflow-'
+        "privacy's DP arguments are keyword-only in tfdpx, e.g. "
+        f'{cls.__name__}(l2_norm_clip=1.0, noise_multiplier=1.1, ...); the '
+        "positional arguments are Keras's")
+
+
 class _PrivateTraining:
   """The engine settings and training step shared by the model classes."""
+
+  def _set_dp_arguments(self, l2_norm_clip, noise_multiplier, num_microbatches,
+                        expected_batch_size, use_xla, layer_registry):
+    """Keeps tensorflow-privacy's DP model arguments (see `DPModel`)."""
+    del layer_registry  # tfdpx chooses its per-layer rules itself.
+    if isinstance(num_microbatches, bool):
+      raise ValueError('num_microbatches: a boolean value was supplied; did '
+                       'you intend it for use_xla?')
+    if (l2_norm_clip is None) != (noise_multiplier is None):
+      raise ValueError('pass both l2_norm_clip and noise_multiplier, or '
+                       'neither (and a tfdpx optimizer at compile)')
+    if l2_norm_clip is None and (num_microbatches is not None or
+                                 expected_batch_size is not None):
+      raise ValueError(
+          'num_microbatches and expected_batch_size go with l2_norm_clip and '
+          'noise_multiplier; with a tfdpx optimizer, pass them to it')
+    if l2_norm_clip is not None:
+      # Refuses bad values now, as the optimizer built at compile would.
+      optimizers.DPSGD(l2_norm_clip, noise_multiplier, num_microbatches,
+                       expected_batch_size=expected_batch_size)
+    self._l2_norm_clip = l2_norm_clip
+    self._noise_multiplier = noise_multiplier
+    self._num_microbatches = num_microbatches
+    self._expected_batch_size = expected_batch_size
+    self._use_xla = bool(use_xla)
+
+  def _dp_optimizer(self, optimizer):
+    """The tfdpx optimizer that trains with this model's DP arguments.
+
+    Raises:
+      ValueError: for an optimizer other than SGD, Adam and Adagrad (or their
+        tfdpx versions with the same DP arguments), or with weight decay or
+        an exponential moving average.
+    """
+    arguments = dict(privatizer=Gaussian(self._l2_norm_clip,
+                                         self._noise_multiplier),
+                     num_microbatches=self._num_microbatches,
+                     expected_batch_size=self._expected_batch_size)
+    optimizer = tf.keras.optimizers.get(optimizer)
+    if isinstance(optimizer, optimizers.DPOptimizerMixin):
+      # As a model saved with its converted optimizer is compiled on loading.
+      config = optimizer.get_config()
+      if (optimizer.privatizer != arguments['privatizer'] or
+          config['num_microbatches'] != self._num_microbatches or
+          config['expected_batch_size'] != self._expected_batch_size):
+        raise ValueError(
+            f'{type(self).__name__} has the DP arguments {arguments}, and '
+            f'its tfdpx optimizer {type(optimizer).__name__} others; pass '
+            'them to one of the two')
+      return optimizer
+    for bases, dp_class, names in _DP_OPTIMIZERS:
+      if isinstance(optimizer, bases):
+        break
+    else:
+      raise ValueError(
+          f'{type(self).__name__} with l2_norm_clip and noise_multiplier '
+          'trains with a DP version of SGD, Adam or Adagrad, got '
+          f'{type(optimizer).__name__}; or build the model without them and '
+          'compile with a tfdpx optimizer')
+    config = optimizer.get_config()
+    for name in ('weight_decay', 'use_ema'):
+      if config.get(name):
+        raise ValueError(
+            f'{type(optimizer).__name__}({name}={config[name]!r}) has no DP '
+            'version in tfdpx: leave it out')
+    hyperparameters = {k: config[k] for k in names}
+    if isinstance(hyperparameters['learning_rate'], dict):
+      hyperparameters['learning_rate'] = (
+          tf.keras.optimizers.schedules.deserialize(
+              hyperparameters['learning_rate']))
+    for name in ('decay', 'clipnorm', 'clipvalue', 'global_clipnorm'):
+      if config.get(name):  # The DP optimizer refuses clipping by name.
+        hyperparameters[name] = config[name]
+    return dp_class(name=config['name'], **arguments, **hyperparameters)
 
   def _set_engine(self, chunk_size, public_data, public_chunk_size,
                   use_layer_rules, fast_clipping, release_training_metrics):
@@ -107,7 +234,8 @@ class _PrivateTraining:
       raise ValueError(
           'a model made private trains with a tfdpx optimizer '
           f'(tfdpx.keras.DPSGD, DPAdam, DPAdagrad), got '
-          f'{type(optimizer).__name__}')
+          f'{type(optimizer).__name__}; or build it with l2_norm_clip and '
+          'noise_multiplier')
     if not self.built:  # Creates the variables without running the model.
       self.build(tf.nest.map_structure(lambda t: t.shape, x))
     # Before the forward pass, which in eager mode would already write. The
@@ -131,9 +259,11 @@ class _PrivateTraining:
       return {}  # Nothing computed from the private batch.
     regularization = None
     if result.regularization_loss is not None:
-      # Per example, as Keras's container adds it to unreduced losses.
-      regularization = [tf.fill(tf.shape(result.losses),
-                                result.regularization_loss)]
+      regularization = [result.regularization_loss]
+      if not _reduces_over_batch(self.compiled_loss):
+        # Per example, as Keras's container adds it to unreduced losses.
+        regularization = [tf.fill(tf.shape(result.losses),
+                                  result.regularization_loss)]
     self.compiled_loss(y, result.outputs, sample_weight,
                        regularization_losses=regularization)
     logs = self.compute_metrics(x, y, result.outputs, sample_weight)
@@ -146,6 +276,7 @@ class _PrivateTraining:
     if not self._dp_fast_clipping:
       # Every per-example gradient formed, for comparisons.
       grads = gradients.MaterializedGradients(grads.materialized())
+    num_examples = grads.batch_size()
     records = per_example.microbatched(grads, optimizer._num_microbatches)  # pylint: disable=protected-access
     public_grads = None
     if self._dp_public_data is not None:
@@ -154,13 +285,21 @@ class _PrivateTraining:
           self, x_public, y_public,
           lambda y_true, outputs: per_example_loss(self, y_true, outputs),
           var_list, self._dp_public_chunk_size, self._dp_use_layer_rules)
-    return optimizer.privatize(records, var_list, public_grads=public_grads)
+    return optimizer.privatize(records, var_list, public_grads=public_grads,
+                               num_examples=num_examples)
 
   def get_config(self):
-    return {**super().get_config(), 'chunk_size': self._dp_chunk_size,
-            'use_layer_rules': self._dp_use_layer_rules,
-            'fast_clipping': self._dp_fast_clipping,
-            'release_training_metrics': self._dp_release_training_metrics}
+    config = {**super().get_config(), 'chunk_size': self._dp_chunk_size,
+              'use_layer_rules': self._dp_use_layer_rules,
+              'fast_clipping': self._dp_fast_clipping,
+              'release_training_metrics': self._dp_release_training_metrics}
+    if self._l2_norm_clip is not None:
+      config.update(l2_norm_clip=self._l2_norm_clip,
+                    noise_multiplier=self._noise_multiplier,
+                    num_microbatches=self._num_microbatches,
+                    expected_batch_size=self._expected_batch_size,
+                    use_xla=self._use_xla)
+    return config
 
   @classmethod
   def from_config(cls, config, custom_objects=None):
@@ -169,11 +308,19 @@ class _PrivateTraining:
               for k in ('chunk_size', 'use_layer_rules', 'fast_clipping',
                         'release_training_metrics')
               if k in config}
+    dp_arguments = {k: config.pop(k, None)
+                    for k in ('l2_norm_clip', 'noise_multiplier',
+                              'num_microbatches', 'expected_batch_size')}
+    use_xla = config.pop('use_xla', False)
     model = super().from_config(config, custom_objects)
-    model._set_engine(  # pylint: disable=protected-access
+    # pylint: disable=protected-access
+    model._set_engine(
         engine.get('chunk_size', DEFAULT_CHUNK_SIZE), None, None,
         engine.get('use_layer_rules', True), engine.get('fast_clipping', True),
         engine.get('release_training_metrics', True))
+    model._set_dp_arguments(use_xla=use_xla, layer_registry=None,
+                            **dp_arguments)
+    # pylint: enable=protected-access
     return model
 
   # --- Saving: the DP optimizer's state is the privacy ledger ----------------
@@ -201,7 +348,31 @@ class _PrivateTraining:
       self.optimizer.set_weights(saved)
 
   def compile(self, *args, **kwargs):  # pylint: disable=arguments-differ
+    """As Keras's; with DP arguments, the optimizer becomes its tfdpx version.
+
+    A model built with `l2_norm_clip` and `noise_multiplier` (tensorflow-
+    privacy's DP model arguments) is compiled, as tensorflow-privacy's, with
+    a plain SGD, Adam or Adagrad (instance, class name or config) and trains
+    with `tfdpx.keras.DPSGD`, `DPAdam` or `DPAdagrad` built from the model's
+    DP arguments and the optimizer's hyperparameters: `model.optimizer` is
+    that tfdpx optimizer, the one to hand `tfdpx.accounting` and that
+    `PrivacyCallback` reads. `use_xla` is the default of `jit_compile`
+    (unless `run_eagerly`).
+
+    Raises:
+      ValueError: for an optimizer that has no tfdpx version (see
+        `_dp_optimizer`).
+    """
     restored = getattr(self, 'optimizer', None)
+    if self._l2_norm_clip is not None:
+      args = list(args)
+      if args:
+        args[0] = self._dp_optimizer(args[0])
+      else:
+        kwargs['optimizer'] = self._dp_optimizer(
+            kwargs.get('optimizer', 'rmsprop'))
+      if not kwargs.get('run_eagerly'):  # Keras refuses both.
+        kwargs.setdefault('jit_compile', self._use_xla)
     super().compile(*args, **kwargs)
     if (isinstance(restored, optimizer_v2.RestoredOptimizer) and
         isinstance(self.optimizer, optimizers.DPOptimizerMixin)):
@@ -233,12 +404,30 @@ class DPModel(_PrivateTraining, tf.keras.Model):
       return super().__new__(DPFunctional, *args, **kwargs)
     return super().__new__(cls, *args, **kwargs)
 
-  def __init__(self, *args, chunk_size: int = DEFAULT_CHUNK_SIZE,
+  def __init__(self, *args, l2_norm_clip: Optional[float] = None,
+               noise_multiplier: Optional[float] = None,
+               num_microbatches: Optional[int] = None,
+               expected_batch_size: Optional[float] = None,
+               use_xla: bool = True, layer_registry=None,
+               chunk_size: int = DEFAULT_CHUNK_SIZE,
                public_data=None, public_chunk_size: Optional[int] = None,
                use_layer_rules: bool = True, fast_clipping: bool = True,
                release_training_metrics: bool = True, **kwargs):
     """Args:
       *args: as `tf.keras.Model`.
+      l2_norm_clip: tensorflow-privacy's DP model arguments, keyword-only:
+        with `noise_multiplier`, the model trains DP-SGD itself and is
+        compiled with a plain SGD, Adam or Adagrad (see `compile`), as
+        tensorflow-privacy's `DPModel`; without them (the default), it is
+        compiled with a tfdpx optimizer, which holds the privatizer.
+      noise_multiplier: see `l2_norm_clip`.
+      num_microbatches: with `l2_norm_clip`: as the tfdpx optimizer's.
+      expected_batch_size: with `l2_norm_clip`: as the tfdpx optimizer's (the
+        public denominator; required for Poisson sampling).
+      use_xla: with `l2_norm_clip`: the default of `compile`'s `jit_compile`,
+        as in tensorflow-privacy.
+      layer_registry: accepted for tensorflow-privacy's signature and not
+        used: tfdpx picks its per-layer rules itself (`fast_clipping`).
       chunk_size: examples per `tf.vectorized_map` call of the fallback (and
         public examples per engine pass); bounds memory for large batches.
       public_data: optional `(x_public, y_public)`; each step then also
@@ -269,9 +458,12 @@ class DPModel(_PrivateTraining, tf.keras.Model):
     Raises:
       ValueError: naming the argument that is invalid.
     """
+    _refuse_positional_dp_arguments(type(self), args)
     super().__init__(*args, **kwargs)
     self._set_engine(chunk_size, public_data, public_chunk_size,
                      use_layer_rules, fast_clipping, release_training_metrics)
+    self._set_dp_arguments(l2_norm_clip, noise_multiplier, num_microbatches,
+                           expected_batch_size, use_xla, layer_registry)
 
 
 @tf.keras.saving.register_keras_serializable(package='tfdpx')
@@ -293,22 +485,33 @@ class DPFunctional(DPModel, functional_lib.Functional):
 class DPSequential(_PrivateTraining, tf.keras.Sequential):
   """A Sequential model whose `train_step` computes per-example gradients fast."""
 
-  def __init__(self, layers=None, name=None, *,
+  def __init__(self, *args, l2_norm_clip: Optional[float] = None,
+               noise_multiplier: Optional[float] = None,
+               num_microbatches: Optional[int] = None,
+               expected_batch_size: Optional[float] = None,
+               use_xla: bool = True, layer_registry=None,
                chunk_size: int = DEFAULT_CHUNK_SIZE, public_data=None,
                public_chunk_size: Optional[int] = None,
                use_layer_rules: bool = True, fast_clipping: bool = True,
-               release_training_metrics: bool = True):
+               release_training_metrics: bool = True, **kwargs):
     """Args:
-      layers, name: as `tf.keras.Sequential`.
+      *args: as `tf.keras.Sequential` (`layers`, `name`).
+      l2_norm_clip, noise_multiplier, num_microbatches, expected_batch_size,
+        use_xla, layer_registry: tensorflow-privacy's DP model arguments, as
+        in `DPModel`.
       chunk_size, public_data, public_chunk_size, use_layer_rules,
         fast_clipping, release_training_metrics: as `DPModel`.
+      **kwargs: as `tf.keras.Sequential`.
 
     Raises:
       ValueError: naming the argument that is invalid.
     """
-    super().__init__(layers, name)
+    _refuse_positional_dp_arguments(type(self), args)
+    super().__init__(*args, **kwargs)
     self._set_engine(chunk_size, public_data, public_chunk_size,
                      use_layer_rules, fast_clipping, release_training_metrics)
+    self._set_dp_arguments(l2_norm_clip, noise_multiplier, num_microbatches,
+                           expected_batch_size, use_xla, layer_registry)
 
 
 

@@ -12,13 +12,16 @@ import os
 from typing import Optional
 
 import dp_accounting
+import numpy as np
 import tensorflow as tf
+from keras.src import backend as keras_backend
 from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras_vectorized as tfp_vectorized
 
 from tfdpx import accounting
 from tfdpx import clipping
 from tfdpx import core
 from tfdpx import gradients
+from tfdpx import noise
 from tfdpx import per_example
 from tfdpx.keras import validation
 from tfdpx.privatizers.gaussian import Gaussian
@@ -28,11 +31,11 @@ _LOG = logging.getLogger(__name__)
 
 JACOBIAN_WARNING = (
     'tfdpx: per-example gradients by tape.jacobian (the compile path) cost '
-    'the square of the batch size: at batch 256 a step of the tensorflow-'
-    'privacy tutorial CNN measured 100 to 200 times a non-private step. Train '
+    'the square of the batch size: at batch 250 a step of the tensorflow-'
+    'privacy tutorial CNN measured 350 times a non-private step. Train '
     'tfdpx.keras.make_private(model) instead: the same optimizer, per-layer '
-    'per-example gradients in linear time (1.4 times a non-private step on '
-    'that CNN; see benchmarks/README.md).')
+    'per-example gradients in linear time (3 to 5 times a non-private step '
+    'on that CNN; see docs/migration.md).')
 
 NO_MODEL_WARNING = (
     'tfdpx: this optimizer was not called from the train step of the Keras '
@@ -51,6 +54,50 @@ def _secret_seed() -> int:
   return int.from_bytes(os.urandom(8), 'little') & 0x7FFFFFFFFFFFFFFF
 
 
+def _key_variable(name: str, value: Optional[int]) -> tf.Variable:
+  """A variable of the noise key that no checkpoint or graph holds.
+
+  A plain variable, not an optimizer weight, so that no checkpoint tracks it.
+  `value` None draws a secret from the operating system. In TF1 graph mode
+  (`get_updates`: Estimator, Keras without eager execution) it is a local
+  variable, which savers leave out, initialized by Keras's session too, and
+  the secret is drawn by its initializer when a session runs it, not written
+  into the graph as a constant (Estimator saves the graph).
+
+  Args:
+    name: the variable's name.
+    value: its initial value, or None for a fresh secret.
+  """
+  aggregation = tf.VariableAggregation.ONLY_FIRST_REPLICA
+  if tf.executing_eagerly():
+    initial = _secret_seed() if value is None else value
+    return tf.Variable(tf.constant(initial, tf.int64), trainable=False,
+                       name=name, aggregation=aggregation)
+  if value is None:
+    initial = tf.reshape(tf.numpy_function(
+        lambda: np.int64(_secret_seed()), [], tf.int64, stateful=True), [])
+  else:
+    initial = tf.constant(value, tf.int64)
+  variable = tf.compat.v1.Variable(
+      initial, trainable=False, name=name, use_resource=True,
+      aggregation=aggregation,
+      collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+  keras_backend.track_variable(variable)  # Keras's session initializes it.
+  return variable
+
+
+def _check_connected(grads, var_list):
+  """Refuses gradients that are None (variables the loss does not reach)."""
+  unconnected = [v.name for g, v in zip(grads, var_list) if g is None]
+  if unconnected:
+    raise ValueError(
+        'None values not supported: the loss does not depend on the '
+        f'trainable variables {unconnected}, so their per-example gradients '
+        'are None (unconnected_gradients_to_zero=False, as in tensorflow-'
+        'privacy). Pass unconnected_gradients_to_zero=True to give them zero '
+        'gradients, or make them non-trainable.')
+
+
 class DPOptimizerMixin:
   """Turns a tensorflow-privacy vectorized DP optimizer into a tfdpx one.
 
@@ -61,29 +108,52 @@ class DPOptimizerMixin:
   """
 
   def __init__(self,
-               privatizer: Optional[core.Privatizer] = None,
-               *,
                l2_norm_clip: Optional[float] = None,
                noise_multiplier: Optional[float] = None,
                num_microbatches: Optional[int] = None,
+               unconnected_gradients_to_zero: bool = False,
+               *args,  # pylint: disable=keyword-arg-before-vararg
+               privatizer: Optional[core.Privatizer] = None,
                expected_batch_size: Optional[float] = None,
                noise_seed: Optional[int] = None,
                **kwargs):
-    """Args:
-      privatizer: the noise step (`tfdpx.privatizers.*`), or its
-        `serialize`d form. Leave `None` to pass tensorflow-privacy's
-        `l2_norm_clip` and `noise_multiplier` instead (DP-SGD).
+    """The arguments of tensorflow-privacy's vectorized DP optimizers, and more.
+
+    `DPSGD(l2_norm_clip, noise_multiplier, num_microbatches, learning_rate=...)`
+    means what `VectorizedDPKerasSGDOptimizer` with the same arguments means.
+
+    Args:
       l2_norm_clip: with `noise_multiplier`, shorthand for
-        `privatizer=gaussian(l2_norm_clip, noise_multiplier)`.
+        `privatizer=gaussian(l2_norm_clip, noise_multiplier)` (DP-SGD).
       noise_multiplier: see `l2_norm_clip`.
-      num_microbatches: as in tensorflow-privacy: average the losses of this
-        many equal microbatches and privatize one record per microbatch. One
-        example then changes one record arbitrarily, so its sensitivity
-        doubles; `dp_event` accounts for that unless
-        `expected_batch_size == num_microbatches` (one example per record).
+      num_microbatches: as in tensorflow-privacy: split each batch into this
+        many equal microbatches of consecutive rows, privatize one record per
+        microbatch (the gradient of its mean loss) and divide the noisy sum by
+        `num_microbatches`. A record holding several examples changes
+        arbitrarily when one of them does, which doubles its sensitivity: the
+        optimizer records how many examples its records held
+        (`examples_per_record`), and `dp_event` doubles the sensitivity unless
+        every record was one example (batches of exactly
+        `num_microbatches` rows, as in tensorflow-privacy's tutorials).
+      unconnected_gradients_to_zero: as in tensorflow-privacy: on the compile
+        and graph paths (the Jacobian of the loss), a trainable variable the
+        loss does not depend on gets a zero gradient if True; if False (the
+        default) it raises the error tensorflow-privacy raises ("None values
+        not supported"), naming the variables. A model made private
+        (`make_private`) gives such variables zero gradients either way.
+      *args: positional arguments of the base Keras optimizer after these
+        four (`learning_rate`, ...), as in tensorflow-privacy.
+      privatizer: the noise step (`tfdpx.privatizers.*`), or its
+        `serialize`d form, instead of `l2_norm_clip` and `noise_multiplier`.
+        Keyword only.
       expected_batch_size: the public denominator of the noisy sum (the
-        expected number of examples per batch). Required unless
-        `num_microbatches` is given, which is then the denominator.
+        expected number of examples per batch), the one to pass for Poisson
+        sampling. Without it the denominator is `num_microbatches` or, if that
+        is None too, the batch size of the first step: public for shuffled
+        fixed-size batches (tensorflow-privacy divides by each step's batch
+        size, which for a smaller last batch reveals the number of
+        examples), not for Poisson-sampled ones, so such an optimizer's
+        Poisson-sampling epsilon is refused.
       noise_seed: a known integer key of the noise, for reproducible
         experiments only: anyone who knows it can subtract the noise, so a
         run with it is NOT private (`noise_seed_is_known`, and every privacy
@@ -93,7 +163,8 @@ class DPOptimizerMixin:
 
     Raises:
       ValueError: naming the argument, for a missing or inconsistent privacy
-        argument or for `clipnorm`, `clipvalue`, `global_clipnorm`.
+        argument, a privatizer passed by position, or `clipnorm`,
+        `clipvalue`, `global_clipnorm`.
     """
     for name in _REFUSED_KWARGS:
       if kwargs.get(name) is not None:
@@ -102,6 +173,10 @@ class DPOptimizerMixin:
             'the privatizer (its l2_norm_clip); gradient clipping after the '
             'noise would not change privacy and clipping before it must be '
             'per example.')
+    if isinstance(l2_norm_clip, (core.Privatizer, dict)):
+      raise ValueError(
+          'privatizer is keyword-only: pass privatizer=...; the first '
+          'positional argument is l2_norm_clip, as in tensorflow-privacy')
     if isinstance(privatizer, dict):
       privatizer = core.deserialize(privatizer)
     if privatizer is None:
@@ -117,19 +192,20 @@ class DPOptimizerMixin:
       raise ValueError(
           f'privatizer must be a tfdpx privatizer, got {privatizer!r}')
     if num_microbatches is not None:
-      if int(num_microbatches) != num_microbatches or num_microbatches < 1:
+      if (isinstance(num_microbatches, bool) or
+          int(num_microbatches) != num_microbatches or num_microbatches < 1):
         raise ValueError(
             f'num_microbatches must be a positive integer, got '
             f'{num_microbatches!r}')
       num_microbatches = int(num_microbatches)
+    if not isinstance(unconnected_gradients_to_zero, bool):
+      raise ValueError(
+          'unconnected_gradients_to_zero must be True or False, got '
+          f'{unconnected_gradients_to_zero!r} (it is the fourth positional '
+          'argument, as in tensorflow-privacy; pass learning_rate=... by name)')
     if expected_batch_size is not None:
       expected_batch_size = core.check_positive('expected_batch_size',
                                                 expected_batch_size)
-    elif num_microbatches is None:
-      raise ValueError(
-          'expected_batch_size is required: the noisy sum is divided by this '
-          'public number, not by the realized batch size (or pass '
-          'num_microbatches, which is then the denominator)')
     if noise_seed is not None and (int(noise_seed) != noise_seed or
                                    noise_seed < 0):
       raise ValueError(
@@ -139,7 +215,7 @@ class DPOptimizerMixin:
     super().__init__(
         float(config.get('l2_norm_clip', float('nan'))),
         float(config.get('noise_multiplier', float('nan'))),
-        num_microbatches, True, **kwargs)
+        num_microbatches, unconnected_gradients_to_zero, *args, **kwargs)
     self._privatizer = privatizer
     self._expected_batch_size = expected_batch_size
     self._noise_seed = None if noise_seed is None else int(noise_seed)
@@ -148,6 +224,8 @@ class DPOptimizerMixin:
     self._dp_state_vars = None
     self._dp_state_structure = None
     self._dp_steps = None
+    self._examples_per_record = None
+    self._first_batch_size = None
     self._warned_jacobian = False
     self._warned_no_model = False
     self._eagerly_checked = None  # id() of the model checked in eager mode.
@@ -159,8 +237,15 @@ class DPOptimizerMixin:
     return self._privatizer
 
   @property
-  def denominator(self) -> float:
-    """The public number the noisy sum is divided by."""
+  def denominator(self) -> Optional[float]:
+    """The public number the noisy sum is divided by.
+
+    None if none was given (neither `num_microbatches` nor
+    `expected_batch_size`): every step then divides by the batch size of the
+    first step, a public number for shuffled fixed-size batches (tensorflow-
+    privacy divides by each step's own, which for a last, smaller batch
+    reveals the number of examples).
+    """
     if self._num_microbatches is not None:
       return float(self._num_microbatches)
     return self._expected_batch_size
@@ -171,9 +256,30 @@ class DPOptimizerMixin:
     return self._noise_seed is not None
 
   @property
+  def examples_per_record(self) -> Optional[int]:
+    """The most examples one privatized record held in any step so far.
+
+    1 without `num_microbatches`. With it, the largest batch size divided by
+    `num_microbatches` of the steps taken (a variable: checkpoints restore
+    it), or None before the first step.
+    """
+    if self._num_microbatches is None:
+      return 1
+    with tf.init_scope():
+      seen = int(tf.keras.backend.get_value(self._examples_per_record_seen))
+    return seen or None
+
+  @property
   def records_are_microbatches(self) -> bool:
-    return (self._num_microbatches is not None and
-            self._expected_batch_size != self._num_microbatches)
+    """Whether a record may hold several examples (doubled sensitivity).
+
+    Decided by the steps taken (`examples_per_record`); before the first step,
+    one example per record only if `expected_batch_size == num_microbatches`.
+    """
+    seen = self.examples_per_record
+    if seen is None:
+      return self._expected_batch_size != self._num_microbatches
+    return seen > 1
 
   def dp_event(self, step: int) -> dp_accounting.DpEvent:
     """The event of step `step` as this optimizer runs it (before sampling)."""
@@ -181,6 +287,22 @@ class DPOptimizerMixin:
     if self.records_are_microbatches:
       event = accounting.scale_sensitivity(event, 2.0)
     return event
+
+  @property
+  def _examples_per_record_seen(self) -> tf.Variable:
+    """The variable behind `examples_per_record` (with `num_microbatches`).
+
+    Created on first use, so that a checkpoint restores it even before the
+    first step; it joins `weights` (the order `.h5` files keep) only with
+    the other DP weights, in `_create_dp_weights`.
+    """
+    if self._examples_per_record is None:
+      with tf.init_scope():
+        self._examples_per_record = self.add_weight(
+            'dp_examples_per_record', shape=[], dtype=tf.int64,
+            trainable=False,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    return self._examples_per_record
 
   @property
   def dp_steps(self) -> tf.Variable:
@@ -221,6 +343,14 @@ class DPOptimizerMixin:
         self._dp_state_vars.append(variable)
         self._weights.append(variable)
     _ = self.dp_steps
+    if self._num_microbatches is not None:
+      self._weights.append(self._examples_per_record_seen)
+    if self.denominator is None:
+      with tf.init_scope():
+        self._first_batch_size = self.add_weight(
+            'dp_first_batch_size', shape=[], dtype=tf.int64, trainable=False,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+      self._weights.append(self._first_batch_size)
 
   def _next_noise_key(self) -> tf.Tensor:
     """The key of this step's noise, `[secret, release counter]`; advances it.
@@ -240,24 +370,20 @@ class DPOptimizerMixin:
     noise for the same all-reduced sum.
     """
     if self._noise_key is None:
-      secret = (_secret_seed() if self._noise_seed is None
-                else self._noise_seed)
       with tf.init_scope():
-        # Plain tf.Variables, not add_weight: kept out of self._weights and
-        # of every checkpoint.
-        self._noise_key = [
-            tf.Variable(tf.constant(value, tf.int64), trainable=False,
-                        name=name,
-                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-            for name, value in (('noise_secret', secret),
-                                ('noise_counter', 0))]
+        self._noise_key = [_key_variable('noise_secret', self._noise_seed),
+                           _key_variable('noise_counter', 0)]
     secret, counter = self._noise_key
-    key = tf.stack([secret.read_value(), counter.read_value()])
-    with tf.control_dependencies([key]):
-      counter.assign_add(1)
-    return key
+    count = counter.read_value()
+    with tf.control_dependencies([count]):
+      advanced = counter.assign_add(1)
+    # The key depends on the counter's advance, so that the advance runs with
+    # the noise also in TF1 graph mode, which runs only what is fetched.
+    with tf.control_dependencies([advanced]):
+      return tf.stack([secret.read_value(), tf.identity(count)])
 
-  def privatize(self, per_example_grads, var_list, *, public_grads=None):
+  def privatize(self, per_example_grads, var_list, *, public_grads=None,
+                num_examples=None):
     """Privatized mean gradient from per-record gradients.
 
     Args:
@@ -268,11 +394,16 @@ class DPOptimizerMixin:
       var_list: the trainable variables, in the same order.
       public_grads: per-example gradients of public data, for privatizers that
         need them.
+      num_examples: the number of examples (rows of this replica's batch)
+        the records were formed from, a scalar tensor; without
+        `num_microbatches`, by default, the number of records. With it, it
+        tells how many examples each record held (`examples_per_record`).
 
     Returns:
       One gradient per variable: the privatizer's noisy sum divided by
-      `denominator` (and, under `tf.distribute`, by the number of replicas,
-      since `apply_gradients` sums the replicas' identical shares).
+      `denominator` (if None, by the global batch size of the first step)
+      and, under `tf.distribute`, by the number of replicas, since
+      `apply_gradients` sums the replicas' identical shares.
 
     Raises:
       ValueError: if the privatizer needs public gradients and none are given.
@@ -283,12 +414,20 @@ class DPOptimizerMixin:
           'data; train a model made private with public data '
           '(tfdpx.keras.make_private)')
     grads = gradients.as_per_example_gradients(per_example_grads)
+    if num_examples is None and self._num_microbatches is None:
+      num_examples = grads.batch_size()
     return self._privatized(
         var_list, lambda state, seed: self._privatizer.update(
-            grads.materialized(), state, seed, public_grads=public_grads))
+            grads.materialized(), state, seed, public_grads=public_grads),
+        num_examples)
 
-  def _privatized(self, var_list, update):
-    """Runs `update(state, seed)`, keeps its new state, returns the mean."""
+  def _privatized(self, var_list, update, num_examples=None):
+    """Runs `update(state, seed)`, keeps its new state, returns the mean.
+
+    `num_examples` (this replica's batch size, a scalar tensor, or None)
+    gives the denominator at the first step when none was given, and with
+    `num_microbatches` how many examples each record held.
+    """
     with tf.init_scope():
       self._create_all_weights(var_list)
     self._check_ledger_restored()
@@ -300,16 +439,28 @@ class DPOptimizerMixin:
     # that fails for want of data (the end of a dataset of unknown length)
     # must not advance the state or the step count.
     with tf.control_dependencies(noisy_sum):
-      for variable, value in zip(self._dp_state_vars,
-                                 tf.nest.flatten(new_state)):
-        variable.assign(value)
-      self.dp_steps.assign_add(1)
+      updates = [variable.assign(value) for variable, value in zip(
+          self._dp_state_vars, tf.nest.flatten(new_state))]
+      updates.append(self.dp_steps.assign_add(1))
+      if self._num_microbatches is not None and num_examples is not None:
+        per_record = tf.cast(num_examples // self._num_microbatches, tf.int64)
+        seen = self._examples_per_record_seen
+        updates.append(seen.assign(tf.maximum(seen, per_record)))
+      denominator = self.denominator
+      if denominator is None:  # The global batch size of the first step.
+        first = self._first_batch_size
+        batch_size = noise.replica_sum(
+            [tf.cast(num_examples, tf.int64)])[0]
+        denominator = tf.where(first > 0, first, tf.maximum(batch_size, 1))
+        updates.append(first.assign(denominator))
     # Under tf.distribute every replica holds the same global noisy sum, and
     # apply_gradients sums the replicas' gradients: each returns its share.
     context = tf.distribute.get_replica_context()
     replicas = context.num_replicas_in_sync if context is not None else 1
-    return [s / tf.cast(self.denominator * replicas, s.dtype)
-            for s in noisy_sum]
+    # The result depends on the updates, so that TF1 graph mode, which runs
+    # only what is fetched, runs them.
+    with tf.control_dependencies(updates):
+      return [s / tf.cast(denominator * replicas, s.dtype) for s in noisy_sum]
 
   # --- Keras hooks -----------------------------------------------------------
 
@@ -354,7 +505,9 @@ class DPOptimizerMixin:
 
     Raises:
       ValueError: if the calling Keras model fails
-        `tfdpx.keras.check_private_compatible(model, compile_path=True)`.
+        `tfdpx.keras.check_private_compatible(model, compile_path=True)`, or
+        for a variable the loss does not depend on, unless
+        `unconnected_gradients_to_zero`.
     """
     del grad_loss  # A per-example loss has no upstream gradient.
     self._check_model()
@@ -374,15 +527,53 @@ class DPOptimizerMixin:
       self._warned_jacobian = True
       _LOG.warning(JACOBIAN_WARNING)
     with tf.name_scope(self._name + '/gradients'):
-      grads = per_example.jacobian(tape, records, var_list)
-      grads, _ = clipping.drop_nonfinite(grads)  # Before any privatizer.
-      final = self.privatize(grads, var_list)
+      grads = tape.jacobian(records, var_list,
+                            unconnected_gradients=self._unconnected_gradients)
+      _check_connected(grads, var_list)
+      final = self._privatized_records(grads, var_list, loss)
     return list(zip(final, var_list))
 
   def get_gradients(self, loss, params):
-    raise NotImplementedError(
-        'tfdpx optimizers run in TF2 (eager or tf.function) through minimize '
-        'or Keras fit; the TF1 get_gradients path is not supported.')
+    """Privatized gradients in TF1 graph mode (`get_updates`, Estimator).
+
+    tensorflow-privacy's graph-mode path: the per-record gradients of the
+    loss vector, through `privatize`, as `_compute_gradients` does.
+
+    Args:
+      loss: the per-example loss, `[B, ...]` (not reduced over the batch).
+      params: the variables.
+
+    Returns:
+      One privatized gradient per variable.
+
+    Raises:
+      ValueError: for a loss reduced over the batch, or a variable the loss
+        does not depend on unless `unconnected_gradients_to_zero`.
+    """
+    self._check_model()
+    params = tf.nest.flatten(params)
+    records = per_example.record_losses(loss, self._num_microbatches)
+    with tf.name_scope(self._name + '/gradients'):
+      _check_connected(tf.gradients(tf.reduce_sum(records), params,
+                                    unconnected_gradients=(
+                                        self._unconnected_gradients)),
+                       params)
+      grads = tf.vectorized_map(
+          lambda record: tf.gradients(
+              record, params,
+              unconnected_gradients=tf.UnconnectedGradients.ZERO), records)
+      return self._privatized_records(grads, params, loss)
+
+  @property
+  def _unconnected_gradients(self) -> tf.UnconnectedGradients:
+    if self._unconnected_gradients_to_zero:
+      return tf.UnconnectedGradients.ZERO
+    return tf.UnconnectedGradients.NONE
+
+  def _privatized_records(self, grads, var_list, loss):
+    """`privatize` of the per-record gradients of the per-example `loss`."""
+    grads, _ = clipping.drop_nonfinite(grads)  # Before any privatizer.
+    return self.privatize(grads, var_list, num_examples=tf.shape(loss)[0])
 
   def get_config(self):
     config = super().get_config()
@@ -391,6 +582,7 @@ class DPOptimizerMixin:
         'num_microbatches': self._num_microbatches,
         'expected_batch_size': self._expected_batch_size,
         'noise_seed': self._noise_seed,
+        'unconnected_gradients_to_zero': self._unconnected_gradients_to_zero,
     })
     if self._dp_steps is not None:
       config[_SAVED_DP_STEPS] = int(tf.keras.backend.get_value(self._dp_steps))
@@ -415,12 +607,12 @@ class DPOptimizerMixin:
 
     Args:
       restored: the trackable with the saved variables (by name: `iter`,
-        `dp_steps`, `dp_state_<i>`).
+        `dp_steps`, `dp_state_<i>`, ...).
       var_list: the model's trainable variables.
     """
     self._create_all_weights(var_list)
     saved = restored._trackable_children()  # pylint: disable=protected-access
-    for variable in [self.iterations, self.dp_steps] + self._dp_state_vars:
+    for variable in self.weights:
       name = variable.name.split('/')[-1].split(':')[0]
       if name in saved:
         variable.assign(saved[name])
