@@ -1,11 +1,13 @@
-"""The linear-time engine: rules and fallback equal single-example tapes."""
+"""The engine: every statistic, rules and fallback, equals single-example tapes."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdpx import layer_rules
 from tfdpx import per_example
+from tfdpx.forms import chunks
+from tfdpx.keras import layer_rules
+from tfdpx.keras import recorder
 
 L = tf.keras.layers
 BATCH = 5
@@ -113,6 +115,10 @@ MODELS = {
         L.Conv1D(4, 3, strides=2, padding='same', activation='relu'),
         L.Conv1D(2, 2, padding='causal', dilation_rate=2),
         L.Conv1D(2, 2, padding='valid', use_bias=False)]), _floats(9, 3)),
+    # Few positions, many channels: the ghost (Gram) form of a convolution.
+    'conv2d_ghost': (lambda: tf.keras.Sequential([
+        tf.keras.Input((4, 4, 8)), L.Conv2D(16, 3), L.Flatten(),
+        L.Dense(2)]), _floats(4, 4, 8)),
     'conv2d': (lambda: tf.keras.Sequential([
         tf.keras.Input((9, 8, 3)),
         L.Conv2D(4, 3, strides=(2, 1), padding='same', activation='relu'),
@@ -121,6 +127,10 @@ MODELS = {
     'embedding': (lambda: tf.keras.Sequential([
         tf.keras.Input((6,), dtype='int32'), L.Embedding(10, 4),
         L.Flatten(), L.Dense(2)]), _ids(6, 10)),
+    # Three ids over six positions: every example repeats tokens.
+    'embedding_repeats': (lambda: tf.keras.Sequential([
+        tf.keras.Input((6,), dtype='int32'), L.Embedding(3, 4),
+        L.GlobalAveragePooling1D(), L.Dense(2)]), _ids(6, 3)),
     'lstm': (lambda: tf.keras.Sequential([
         tf.keras.Input((6,), dtype='int32'), L.Embedding(10, 4), L.LSTM(3),
         L.Dense(2)]), _ids(6, 10)),
@@ -152,10 +162,54 @@ def _loop_reference(model, x, y):
   return [np.stack(column) for column in zip(*rows)]
 
 
+def _check_statistics(grads, expected, seed=0):
+  """Asserts every statistic of `grads` against materialized `expected`."""
+  rng = np.random.default_rng(seed)
+  flat = [g.reshape(BATCH, -1) for g in expected]
+  close = dict(rtol=1e-4, atol=1e-5)
+  for got, want in zip(grads.sq_norms(), flat):
+    np.testing.assert_allclose(got.numpy(), np.sum(want**2, axis=1), **close)
+  directions = [rng.normal(size=(3,) + g.shape[1:]).astype('float32')
+                for g in expected]
+  for got, want, d in zip(grads.dots(directions), flat, directions):
+    np.testing.assert_allclose(got.numpy(), want @ d.reshape(3, -1).T,
+                               **close)
+  masks = [(rng.uniform(size=g.shape[1:]) < 0.5).astype('float32')
+           for g in expected]
+  for got, want, m in zip(grads.masked_sq_norms(masks), flat, masks):
+    np.testing.assert_allclose(got.numpy(),
+                               np.sum((want * m.reshape(1, -1))**2, axis=1),
+                               **close)
+  weights = rng.normal(size=BATCH).astype('float32')
+  for got, want in zip(grads.weighted_sum(tf.constant(weights)), expected):
+    np.testing.assert_allclose(got.numpy(), np.tensordot(weights, want, 1),
+                               **close)
+  for got, want in zip(grads.materialized(), expected):
+    np.testing.assert_allclose(got.numpy(), want, **close)
+
+
+class _InGraph:
+  """A `PerExampleGradients` whose statistics run in one `tf.function`."""
+
+  def __init__(self, model, x, loss, **kwargs):
+    self._args = model, x, loss, kwargs
+
+  def __getattr__(self, name):
+    model, x, loss, kwargs = self._args
+
+    @tf.function  # As in training; the fallback's loops run as graphs.
+    def statistic(x, *args):
+      grads = recorder.model_gradients(
+          model, x, loss, model.trainable_variables, **kwargs).grads
+      return getattr(grads, name)(*args)
+
+    return lambda *args: statistic(x, *args)
+
+
 @pytest.mark.parametrize('use_rules', [True, False], ids=['rules', 'fallback'])
 @pytest.mark.parametrize('name', sorted(MODELS))
-def test_per_example_gradients_equal_a_loop_of_single_example_tapes(
-    name, use_rules):
+def test_every_statistic_equals_a_loop_of_single_example_tapes(name,
+                                                               use_rules):
   tf.keras.utils.set_random_seed(1)
   build, make_x = MODELS[name]
   model = build()
@@ -163,52 +217,10 @@ def test_per_example_gradients_equal_a_loop_of_single_example_tapes(
   x = make_x(rng)
   y = rng.normal(size=model(x).shape).astype('float32')
   expected = _loop_reference(model, x, y)
-
-  @tf.function  # As in training; the fallback's loops run as graphs.
-  def per_example_grads(x):
-    # Chunks of 2 examples: 3 chunks, the last one padded.
-    return per_example.model_gradients(
-        model, x, lambda outputs: _squared_error(y, outputs),
-        model.trainable_variables, chunk_size=2,
-        use_rules=use_rules).per_example_grads
-
-  grads = per_example_grads(x)
-  assert len(grads) == len(expected)
-  for got, want, var in zip(grads, expected,
-                            model.trainable_variables):
-    assert got.shape == (BATCH,) + tuple(var.shape)
-    np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5,
-                               err_msg=var.name)
-
-
-@pytest.mark.parametrize('name', sorted(MODELS))
-def test_fast_clipping_equals_clipping_the_loop_reference(name):
-  tf.keras.utils.set_random_seed(1)
-  build, make_x = MODELS[name]
-  model = build()
-  rng = np.random.default_rng(0)
-  x = make_x(rng)
-  y = rng.normal(size=model(x).shape).astype('float32')
-  expected = _loop_reference(model, x, y)
-  norms = np.sqrt(sum(np.sum(g.reshape(BATCH, -1)**2, axis=1)
-                      for g in expected))
-  clip = float(np.median(norms))  # Clips about half of the examples.
-  factors = 1.0 / np.maximum(norms / clip, 1.0)
-  assert 0 < np.sum(factors < 1) < BATCH
-
-  @tf.function
-  def fast(x):
-    result = per_example.model_gradients(
-        model, x, lambda outputs: _squared_error(y, outputs),
-        model.trainable_variables, chunk_size=2, l2_norm_clip=clip)
-    return result.per_example_grads, result.clipped_sum
-
-  per_example_grads, clipped_sum = fast(x)
-  assert per_example_grads is None
-  for got, want, var in zip(clipped_sum, expected,
-                            model.trainable_variables):
-    np.testing.assert_allclose(got.numpy(), np.tensordot(factors, want, 1),
-                               rtol=1e-4, atol=1e-5, err_msg=var.name)
+  # Chunks of 2 examples: 3 chunks, the last one padded.
+  grads = _InGraph(model, x, lambda outputs: _squared_error(y, outputs),
+                 chunk_size=2, use_rules=use_rules)
+  _check_statistics(grads, expected)
 
 
 def test_rules_cover_the_ruled_layers_and_skip_what_they_cannot_do():
@@ -245,11 +257,11 @@ def test_a_registered_rule_is_used_for_a_custom_layer():
       Scale, layer_rules.LayerRule(layer_rules._called_normally, grads))  # pylint: disable=protected-access
   model = tf.keras.Sequential([tf.keras.Input((3,)), Scale()])
   x = np.arange(6, dtype='float32').reshape(2, 3)
-  result = per_example.model_gradients(
+  result = recorder.model_gradients(
       model, x, lambda outputs: tf.reduce_sum(outputs, axis=1),
       model.trainable_variables)
+  np.testing.assert_allclose(result.grads.materialized()[0].numpy(), x)
   assert calls
-  np.testing.assert_allclose(result.per_example_grads[0].numpy(), x)
 
 
 def test_regularization_is_returned_apart_from_the_per_example_gradients():
@@ -258,12 +270,12 @@ def test_regularization_is_returned_apart_from_the_per_example_gradients():
       tf.keras.Input((3,)),
       L.Dense(2, kernel_regularizer=tf.keras.regularizers.L2(0.5))])
   x = np.ones((4, 3), 'float32')
-  result = per_example.model_gradients(
+  result = recorder.model_gradients(
       model, x, lambda outputs: tf.reduce_sum(outputs, axis=1),
       model.trainable_variables)
   kernel = model.layers[0].kernel
   # d/dW of sum(xW + b) is x outer 1 for each example, no regularizer in it.
-  np.testing.assert_allclose(result.per_example_grads[0].numpy(),
+  np.testing.assert_allclose(result.grads.materialized()[0].numpy(),
                              np.ones((4, 3, 2)))
   np.testing.assert_allclose(result.regularization_grads[0].numpy(),
                              2 * 0.5 * kernel.numpy(), rtol=1e-6)
@@ -301,9 +313,9 @@ def test_a_data_dependent_add_loss_is_refused(term, graph):
       _DataLoss(DATA_TERMS[term], name='data_loss'), L.Dense(1)])
 
   def run(x):
-    return per_example.model_gradients(
+    return recorder.model_gradients(
         model, x, lambda outputs: tf.reduce_sum(outputs, axis=1),
-        model.trainable_variables).per_example_grads
+        model.trainable_variables).grads.materialized()
 
   with pytest.raises(ValueError, match='data_loss.*depends on the data'):
     (tf.function(run) if graph else run)(np.ones((4, 3), 'float32'))
@@ -313,7 +325,7 @@ def test_a_variable_read_by_the_loss_is_refused():
   model = tf.keras.Sequential([tf.keras.Input((3,)), L.Dense(2)])
   kernel = model.layers[0].kernel
   with pytest.raises(ValueError, match='read outside the layer calls'):
-    per_example.model_gradients(
+    recorder.model_gradients(
         model, np.ones((4, 3), 'float32'),
         lambda outputs: tf.reduce_sum(outputs, axis=1) + tf.reduce_sum(kernel),
         model.trainable_variables)
@@ -327,12 +339,12 @@ def _poisoned(x, row):
   return x if len(x) > 1 else x[0]
 
 
-@pytest.mark.parametrize('fast', [False, True], ids=['materialized', 'fast'])
+@pytest.mark.parametrize('use_rules', [True, False], ids=['rules', 'fallback'])
 @pytest.mark.parametrize('name', ['dense', 'dense_on_short_sequences',
                                   'conv2d', 'layer_norm', 'mixed'])
 @pytest.mark.parametrize('cause', ['inf_input', 'nan_loss'])
 def test_a_non_finite_example_is_dropped_and_the_others_are_untouched(
-    cause, name, fast):
+    cause, name, use_rules):
   tf.keras.utils.set_random_seed(1)
   build, make_x = MODELS[name]
   model = build()
@@ -358,21 +370,12 @@ def test_a_non_finite_example_is_dropped_and_the_others_are_untouched(
   for g in expected:
     g[bad] = 0.0
 
-  @tf.function
-  def run(x):
-    return per_example.model_gradients(
-        model, x, loss, model.trainable_variables, chunk_size=2,
-        l2_norm_clip=1e9 if fast else None)
-
-  result = run(x)
-  assert result.dropped_records.numpy() == 1
-  if fast:  # An infinite clip: the plain sum of the finite examples.
-    for got, want in zip(result.clipped_sum, expected):
-      np.testing.assert_allclose(got.numpy(), want.sum(axis=0), rtol=1e-4,
-                                 atol=1e-5)
-  else:
-    for got, want in zip(result.per_example_grads, expected):
-      np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5)
+  dropped = tf.function(lambda x: recorder.model_gradients(
+      model, x, loss, model.trainable_variables, chunk_size=2,
+      use_rules=use_rules).dropped_records)(x)
+  assert dropped.numpy() == 1
+  _check_statistics(_InGraph(model, x, loss, chunk_size=2, use_rules=use_rules),
+                    expected)
 
 
 class _WithDropout(tf.keras.Model):
@@ -416,14 +419,14 @@ def test_a_random_fallback_call_gets_the_gradients_of_the_forward_that_ran(
     # The outer tape's Jacobian of the losses is the compile path's
     # per-example gradient of the very forward pass the engine ran.
     with tf.GradientTape(persistent=True) as tape:
-      result = per_example.model_gradients(
+      result = recorder.model_gradients(
           model, x, lambda outputs: _squared_error(0.0, outputs),
           model.trainable_variables, chunk_size=2)
     jacobian = tape.jacobian(result.losses, model.trainable_variables,
                              experimental_use_pfor=False)
-    return result.per_example_grads, jacobian
+    return result.grads.materialized(), jacobian
 
-  with caplog.at_level('WARNING', logger=per_example.__name__):
+  with caplog.at_level('WARNING', logger=recorder.__name__):
     got, want = (tf.function(run) if graph else run)(x)
   assert np.abs(want[0].numpy()).max() > 0
   for g, w in zip(got, want):
@@ -434,18 +437,18 @@ def test_a_random_fallback_call_gets_the_gradients_of_the_forward_that_ran(
 def test_a_deterministic_fallback_call_stays_linear(caplog):
   tf.keras.utils.set_random_seed(1)
   model = MODELS['lstm'][0]()
-  with caplog.at_level('WARNING', logger=per_example.__name__):
-    tf.function(lambda x: per_example.model_gradients(
+  with caplog.at_level('WARNING', logger=recorder.__name__):
+    tf.function(lambda x: recorder.model_gradients(
         model, x, lambda outputs: tf.reduce_sum(outputs, axis=1),
-        model.trainable_variables).per_example_grads)(_ids(6, 10)(
+        model.trainable_variables).grads.materialized())(_ids(6, 10)(
             np.random.default_rng(0)))
   assert 'draws random numbers' not in caplog.text
 
 
-def test_chunked_pads_and_trims_to_the_batch():
+def test_map_rows_pads_and_trims_to_the_batch():
   x = tf.reshape(tf.range(7.0), [7, 1])
-  out = per_example.chunked(lambda c: [c[0] * 2.0], [x], 3,
-                            [tf.TensorSpec([1], tf.float32)])
+  out = chunks.map_rows(lambda c: [c[0] * 2.0], [x], 3,
+                        [tf.TensorSpec([1], tf.float32)])
   np.testing.assert_allclose(out[0].numpy(), x.numpy() * 2.0)
 
 
