@@ -4,6 +4,8 @@ from typing import List, Sequence, Tuple
 
 import tensorflow as tf
 
+from tfdpx import gradients
+
 
 def per_example_global_norm(per_example: Sequence[tf.Tensor]) -> tf.Tensor:
   """The L2 norm of each example over all tensors, shape `[B]`, in float32."""
@@ -82,23 +84,23 @@ def clip_per_example(
   return _scale(per_example, factors), norms
 
 
-def clip_factors(
-    per_example: Sequence[tf.Tensor], l2_norm_clip
-) -> Tuple[tf.Tensor, tf.Tensor]:
+def clip_factors(per_example, l2_norm_clip) -> Tuple[tf.Tensor, tf.Tensor]:
   """The factors `1 / max(norm / C, 1)` that clip each example, and the norms.
 
-  For a privatizer that only needs the clipped sum: pass the factors as the
-  `weights` of `noise.batch_sum`, which never materializes the clipped copy
-  of the per-example gradients.
+  Pass the factors as the `weights` of `noise.batch_sum`: the clipped sum is
+  then one weighted sum, and no clipped copy of the per-example gradients is
+  formed.
 
   Args:
-    per_example: one `[B, ...]` tensor per variable.
+    per_example: a `tfdpx.gradients.PerExampleGradients` (only its `sq_norms`
+      are asked for) or one `[B, ...]` tensor per variable.
     l2_norm_clip: positive clip norm C (may be `inf`).
 
   Returns:
     `(factors, norms)`, both `[B]` float32.
   """
-  norms = per_example_global_norm(per_example)
+  grads = gradients.as_per_example_gradients(per_example)
+  norms = tf.sqrt(gradients.global_sq_norms(grads))
   return clip_factor(norms, l2_norm_clip), norms
 
 
@@ -107,20 +109,60 @@ def clip_factor(norms: tf.Tensor, l2_norm_clip) -> tf.Tensor:
   return 1.0 / tf.maximum(norms / tf.cast(l2_norm_clip, tf.float32), 1.0)
 
 
-def normalize_per_example(
-    per_example: Sequence[tf.Tensor], gamma
-) -> List[tf.Tensor]:
-  """Automatic clipping: each example becomes `g / (||g|| + gamma)`.
+# A released part `f_i (g_i - P g_i)` computed as `f_i g_i - P (f_i g_i)`
+# inside weighted sums is exact only up to float rounding of `f_i |g_i|`.
+# Bounding `f_i |g_i|` by this many clip norms keeps that rounding below about
+# 1e-4 of the clip norm in float32 (DPDR, GEP).
+SUBTRACTION_BOUND = 1024.0
 
-  Every output has norm below 1 (for `gamma > 0`), so the L2 sensitivity of the
-  sum is 1.
+
+def bound_for_subtraction(factors: tf.Tensor, norms: tf.Tensor,
+                          l2_norm_clip) -> tf.Tensor:
+  """`factors`, lowered so that `factors * norms <= SUBTRACTION_BOUND * C`.
+
+  For a privatizer that clips a part of each gradient (`g - P g`, whose norm
+  can be far below `|g| = norms`) but forms its sum by subtracting `P` from a
+  weighted sum of whole gradients: the cancellation then happens in floating
+  point at the scale of `factors * norms`, and an example with a huge
+  gradient along `P` could move the sum by more than C through rounding. The
+  extra scaling applies only to such examples (whole gradient above 1024 C),
+  is a per-example scaling by at most 1, and so leaves every sensitivity as
+  it was.
+
+  Args:
+    factors: `[B]` clip factors of the part.
+    norms: `[B]` norms of the whole gradients.
+    l2_norm_clip: the part's clip norm C.
+  """
+  return tf.minimum(factors,
+                    clip_factor(norms, SUBTRACTION_BOUND * l2_norm_clip))
+
+
+def normalize_factors(per_example, gamma) -> tf.Tensor:
+  """Automatic clipping's factors `1 / (||g|| + gamma)`, float32 `[B]`.
+
+  Each example times its factor has norm below 1 (for `gamma > 0`), so the L2
+  sensitivity of the weighted sum is 1.
+
+  Args:
+    per_example: a `tfdpx.gradients.PerExampleGradients` or one `[B, ...]`
+      tensor per variable.
+    gamma: positive stability constant.
+  """
+  grads = gradients.as_per_example_gradients(per_example)
+  norms = tf.sqrt(gradients.global_sq_norms(grads))
+  return 1.0 / (norms + tf.cast(gamma, tf.float32))
+
+
+def normalize_per_example(per_example: Sequence[tf.Tensor],
+                          gamma) -> List[tf.Tensor]:
+  """Automatic clipping: each example becomes `g / (||g|| + gamma)`.
 
   Args:
     per_example: one `[B, ...]` tensor per variable.
     gamma: positive stability constant.
 
   Returns:
-    The normalized tensors.
+    The normalized tensors (materialized: for tests and references).
   """
-  norms = per_example_global_norm(per_example)
-  return _scale(per_example, 1.0 / (norms + tf.cast(gamma, tf.float32)))
+  return _scale(per_example, normalize_factors(per_example, gamma))

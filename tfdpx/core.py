@@ -7,12 +7,16 @@ add noise. See DESIGN.md, "Core abstraction: the privatizer".
 """
 
 import abc
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import dp_accounting
 import tensorflow as tf
 
+from tfdpx import gradients
+
 State = Dict[str, Any]
+PerExampleGradientsLike = Union[gradients.PerExampleGradients,
+                                Sequence[tf.Tensor]]
 """A privatizer's state: a dict (nest) of tensors, held by the optimizer."""
 
 _REGISTRY: Dict[str, type] = {}
@@ -50,7 +54,7 @@ class Privatizer(abc.ABC):
   @abc.abstractmethod
   def update(
       self,
-      per_example_grads: Sequence[tf.Tensor],
+      per_example_grads: PerExampleGradientsLike,
       state: State,
       seed: tf.Tensor,
       *,
@@ -58,8 +62,16 @@ class Privatizer(abc.ABC):
   ) -> Tuple[List[tf.Tensor], State]:
     """Privatizes one batch.
 
+    A privatizer asks `per_example_grads` only for the statistics it needs
+    (`sq_norms`, `dots`, `masked`, ...) and the weighted sums it releases
+    (`weighted_sum`): a model made private answers them per layer without
+    forming the per-example gradients where a cheaper exact form exists.
+
     Args:
-      per_example_grads: one `[B, *var.shape]` tensor per trainable variable.
+      per_example_grads: the per-example gradients of this replica's batch:
+        a `tfdpx.gradients.PerExampleGradients`, or one `[B, *var.shape]`
+        tensor per trainable variable (`gradients.as_per_example_gradients`
+        turns either into the former).
       state: the state returned by `init` or by the previous `update`.
       seed: int64 tensor of shape `[2]`, the key of every random draw.
       public_grads: per-example gradients of public data, same layout, for
@@ -69,38 +81,6 @@ class Privatizer(abc.ABC):
       `(noisy_sum, new_state)`: the privatized sum over the batch, one tensor
       per variable, and the next state. Equal inputs give bitwise-equal outputs.
     """
-
-  @property
-  def clipped_sum_norm(self) -> Optional[float]:
-    """C, if `update` uses the per-example gradients only through their sum
-    after each is clipped to global L2 norm C (`clipping.clip_factors`);
-    otherwise None.
-
-    An engine that forms that sum without materializing the per-example
-    gradients (`tfdpx.keras.make_private`'s fast clipping) then calls
-    `update_clipped_sum` instead of `update`, with the same result. A
-    subclass that overrides `update` must override both or return None here.
-    """
-    return None
-
-  def update_clipped_sum(self, clipped_sum: Sequence[tf.Tensor], state: State,
-                         seed: tf.Tensor) -> Tuple[List[tf.Tensor], State]:
-    """`update`, given the clipped sum instead of the per-example gradients.
-
-    Only for privatizers whose `clipped_sum_norm` is not None.
-
-    Args:
-      clipped_sum: one tensor per variable, the sum over this replica's
-        examples of their gradients, each example clipped to global L2 norm
-        `clipped_sum_norm` (all-reduced here under `tf.distribute`).
-      state, seed: as in `update`.
-
-    Returns:
-      As `update`.
-    """
-    raise NotImplementedError(
-        f'{self.name} needs the per-example gradients, not only their clipped '
-        'sum')
 
   @abc.abstractmethod
   def dp_event(self, step: int) -> dp_accounting.DpEvent:

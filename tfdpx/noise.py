@@ -15,6 +15,8 @@ from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
+from tfdpx import gradients
+
 # One explicit algorithm: 'auto_select' picks per device.
 _ALG = 'philox'
 
@@ -103,28 +105,27 @@ def replica_sum(sums: Sequence[tf.Tensor]) -> List[tf.Tensor]:
   return sums
 
 
-def batch_sum(records: Sequence[tf.Tensor],
-              weights: Optional[tf.Tensor] = None) -> List[tf.Tensor]:
-  """Sum over the batch axis of each tensor, and over replicas when distributed.
+def batch_sum(records, weights: Optional[tf.Tensor] = None) -> List[tf.Tensor]:
+  """Sum over the batch of each record, and over replicas when distributed.
 
   Every privatizer sums its (clipped) per-example records with this function,
   so that under `tf.distribute` the sum covers the global batch.
 
   Args:
-    records: one `[B, ...]` tensor per variable (or per released part).
+    records: a `tfdpx.gradients.PerExampleGradients` (its `weighted_sum`: a
+      model made private answers it with one backward pass) or one `[B, ...]`
+      tensor per variable (or per released part).
     weights: optional `[B]` factors (e.g. clip factors): the sum is then
-      `sum_b weights[b] * records[b]`, computed as one contraction so that the
-      weighted records are never materialized.
+      `sum_b weights[b] * records[b]`, and the weighted records are never
+      materialized.
 
   Returns:
-    One `[...]` tensor per input, identical on every replica.
+    One `[...]` tensor per variable, identical on every replica.
   """
+  records = gradients.as_per_example_gradients(records)
   if weights is None:
-    sums = [tf.reduce_sum(r, axis=0) for r in records]
-  else:
-    sums = [tf.tensordot(tf.cast(weights, r.dtype), r, axes=1)
-            for r in records]
-  return replica_sum(sums)
+    weights = tf.ones([records.batch_size()], tf.float32)
+  return replica_sum(records.weighted_sum(weights))
 
 
 def add_gaussian(sums: Sequence[tf.Tensor], l2_norm_clip, noise_multiplier,

@@ -197,9 +197,26 @@ def test_large_negative_alpha_is_clipped():
   grads = [tf.stack([-100.0 * (i + 1) * b for i in range(BATCH)])
            for b in base]  # Every example is -k b: alpha = -k, g_perp = 0.
   out, _ = privatizer.update(grads, _state(privatizer, base, 1), _key())
+  # The orthogonal parts' sum is the weighted sum of the gradients minus its
+  # part along b: exact up to float32 rounding of sum_i |g_i| = 2100.
   for a, b in zip(out, base):
     np.testing.assert_allclose(a.numpy(), -BATCH * alpha_clip * b.numpy(),
-                               rtol=1e-5, atol=1e-6)
+                               rtol=1e-5, atol=2100 * 3e-8)
+
+
+@pytest.mark.parametrize('seed', [0, 2])
+def test_a_huge_gradient_along_the_base_moves_the_release_by_its_clips(seed):
+  # The orthogonal parts' sum cancels the component along b in floating
+  # point. Without the bound on the whole gradient, g = -1e8 b (g_perp = 0
+  # exactly) released a sum of norm 7.3 and 7.7 for these bases, against the
+  # clip norms 1 and 0.25.
+  privatizer = privatizers.dpdr(1.0, 0.0, decomposition_steps=4,
+                                granularity='global',
+                                alpha_l2_norm_clip=0.25)
+  base = _unit_base(seed, blocks=[0, 0, 0])
+  grads = [(-1e8 * b)[tf.newaxis] for b in base]
+  out, _ = privatizer.update(grads, _state(privatizer, base, 1), _key())
+  assert _norm(out) <= 1.0 + 0.25
 
 
 def test_each_part_moves_by_at_most_its_clip_norm():

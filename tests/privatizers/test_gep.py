@@ -150,6 +150,20 @@ def test_low_rank_gradients_are_recovered_exactly():
 # --- §6.6-6.8: clipping, sensitivity, noise ---------------------------------
 
 
+@pytest.mark.parametrize('scale', [1e7, 1e8])
+def test_a_huge_gradient_in_the_subspace_moves_the_release_by_its_clips(
+    scale):
+  # The residual's sum cancels the part in the subspace in floating point.
+  # Without the bound on the whole gradient, one example of norm ~1e8 in the
+  # public subspace (residual about 0) released far more than S1 + S2.
+  grads, public = _low_rank_problem(rank=5, seed=8)
+  one = [scale * g[:1] for g in grads]
+  privatizer = privatizers.gep(60, 0.25, 1.0, 0.0, groups=[[0], [1], [2]])
+  out, _ = privatizer.update(one, {}, KEY, public_grads=public)
+  assert np.linalg.norm(_flat([o[np.newaxis] for o in out])) <= 1.25
+
+
+
 def test_embedding_clip_is_global_across_groups():
   """Each group's embedding is below S1, their concatenation is not."""
   grads, public = _low_rank_problem(rank=5, seed=9)

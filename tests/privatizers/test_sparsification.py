@@ -11,6 +11,7 @@ import tensorflow as tf
 import tfdpx
 from tests import stats
 from tfdpx import core
+from tfdpx import gradients
 from tfdpx import privatizers
 
 SHAPES = [(6, 5), (5,), (3, 2, 4)]
@@ -21,7 +22,8 @@ class _Echo(core.Privatizer):
   """Test double: returns the (masked) per-example gradients it receives."""
 
   def update(self, per_example_grads, state, seed, *, public_grads=None):
-    return list(per_example_grads), state
+    grads = gradients.as_per_example_gradients(per_example_grads)
+    return grads.materialized(), state
 
   def dp_event(self, step):
     return dp_accounting.NoOpDpEvent()

@@ -39,6 +39,7 @@ import tensorflow as tf
 
 from tfdpx import clipping
 from tfdpx import core
+from tfdpx import gradients
 from tfdpx import noise
 from tfdpx import projections
 from tfdpx import schedules
@@ -305,17 +306,20 @@ class D2P2(core.Privatizer):
   def update(self, per_example_grads, state, seed, *, public_grads=None):
     del public_grads  # Unused: D2P2 needs no public data.
     step = state['step']
-    shapes = [tuple(g.shape[1:]) for g in per_example_grads]
+    grads = gradients.as_per_example_gradients(per_example_grads)
+    shapes = [tuple(s) for s in grads.shapes]
     z = self._schedule.tf_value(step)
-    normalized = clipping.normalize_per_example(per_example_grads, self._gamma)
+    # Automatic clipping as the weights of one sum (all-reduced under
+    # tf.distribute): the normalized gradients are never formed.
+    sums = noise.batch_sum(grads, clipping.normalize_factors(grads,
+                                                             self._gamma))
     noise_seed = noise.substream(seed, 'd2p2/noise')
     if self.mode in ('none', 'N'):
       # A DP-SGD release of sensitivity 1; the projections post-process it.
-      released = noise.gaussian_sum(normalized, 1.0, z, noise_seed)
+      released = noise.add_gaussian(sums, 1.0, z, noise_seed)
       out = [self._round_trip(index, r, step)
              for index, r in enumerate(released)]
     else:
-      sums = noise.batch_sum(normalized)  # All-reduced under tf.distribute.
       delta = self.sensitivity(shapes, step)
       projected = [self._project(index, s, step)
                    for index, s in enumerate(sums)]

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from tfdpx import clipping
 from tfdpx import core
+from tfdpx import gradients
 from tfdpx import noise
 
 GRANULARITIES = ('variable', 'layer', 'global')
@@ -132,7 +133,13 @@ class DPDR(core.Privatizer):
     `sigma_eff = (perp_noise_multiplier^-2 + alpha_noise_multiplier^-2)^-1/2`
     (not two separately sampled events, which would understate the cost).
     `b` is a function of earlier released outputs only (adaptive
-    composition; reconstruction is post-processing). By default the parts'
+    composition; reconstruction is post-processing). The sum of the
+    orthogonal parts is formed as a weighted sum of whole gradients minus
+    their part along `b`; an example whose whole gradient exceeds
+    1024 `perp_l2_norm_clip` is also scaled to that norm, so that float
+    rounding of the subtraction stays far below the clip norm
+    (`clipping.bound_for_subtraction`; a scaling by at most 1, so the
+    sensitivities are unchanged). By default the parts'
     multipliers split `noise_multiplier` so that `sigma_eff` equals it and
     every step costs what a DP-SGD step costs. Adjacency: add or remove one
     example.
@@ -282,19 +289,48 @@ class DPDR(core.Privatizer):
 
   def update(self, per_example_grads, state, seed, *, public_grads=None):
     del public_grads  # Unused: DPDR needs no public data.
-    grads = list(per_example_grads)
+    grads = gradients.as_per_example_gradients(per_example_grads)
     base, blocks, step = state['base'], state['blocks'], state['step']
     decomposing = tf.logical_and(step >= 1, step < self._decomposition_steps)
-    # Only the per-example work is inside the branch: the sums (all-reduced
-    # across replicas under tf.distribute) may not be under control flow.
-    alpha_records, records = tf.cond(
-        decomposing,
-        lambda: self._decomposed_records(grads, base, blocks),
-        lambda: self._dp_sgd_records(grads))
+    # Statistics only: |g_v|^2 and <g_v, b_v> per variable. The orthogonal
+    # parts are never formed: |g_perp|^2 = sum_v |g_v|^2 - 2 a_l(v) <g_v, b_v>
+    # + a_l(v)^2 |b_v|^2, and the clipped sum of g_perp is the weighted sum of
+    # g minus (sum_i f_i a_i,l(v)) b_v. (At DP-SGD steps b is zero, and so are
+    # the dots.)
+    sq_norms = tf.stack(grads.sq_norms(), axis=1)  # [B, num_variables]
+    dots = tf.concat(grads.dots([b[tf.newaxis] for b in base]), axis=1)
+    num_slots = len(base)
+    alpha = tf.transpose(tf.math.unsorted_segment_sum(
+        tf.transpose(dots), blocks, num_slots))  # [B, slots]
+    alpha_of_variable = tf.gather(alpha, blocks, axis=1)  # [B, num_variables]
+    base_sq = tf.stack([tf.reduce_sum(tf.square(tf.cast(b, tf.float32)))
+                        for b in base])
+    perp_sq = tf.reduce_sum(
+        sq_norms - 2.0 * alpha_of_variable * dots +
+        tf.square(alpha_of_variable) * base_sq, axis=1)
+    # Rounding can take a tiny |g_perp|^2 below zero.
+    norms = tf.sqrt(tf.reduce_sum(sq_norms, axis=1))
+    perp_factors = clipping.bound_for_subtraction(
+        clipping.clip_factor(tf.sqrt(tf.maximum(perp_sq, 0.0)),
+                             self.perp_l2_norm_clip),
+        norms, self.perp_l2_norm_clip)
+    dp_sgd_factors = clipping.clip_factor(norms, self._l2_norm_clip)
+    factors = tf.where(decomposing, perp_factors, dp_sgd_factors)
+    # Clip the alpha vector by its L2 norm (spec §7 P1: the paper's rule has
+    # no absolute value) and g_perp by its global L2 norm (§5.4 flags 7-8).
+    alpha_factors = clipping.clip_factor(tf.norm(alpha, axis=1),
+                                         self.alpha_l2_norm_clip)
+    weighted, = noise.batch_sum([alpha], factors)  # sum_i f_i a_i, [slots]
+    alpha_sum, = noise.batch_sum([alpha], alpha_factors)
+    grad_sum = noise.batch_sum(grads, factors)
+    weighted_of_variable = tf.gather(
+        tf.where(decomposing, weighted, tf.zeros_like(weighted)), blocks)
+    perp_sum = [g - tf.cast(weighted_of_variable[i], g.dtype) * b
+                for i, (g, b) in enumerate(zip(grad_sum, base))]
     # DP-SGD steps: the computation and draws of `gaussian(l2_norm_clip,
     # noise_multiplier)` (spec §8 U7).
-    sums = noise.gaussian_sum(
-        records,
+    sums = noise.add_gaussian(
+        perp_sum,
         tf.where(decomposing, tf.constant(self.perp_l2_norm_clip, tf.float64),
                  tf.constant(self._l2_norm_clip, tf.float64)),
         tf.where(decomposing,
@@ -302,7 +338,8 @@ class DPDR(core.Privatizer):
                  tf.constant(self._noise_multiplier, tf.float64)),
         tf.where(decomposing,
                  tf.cast(noise.substream(seed, 'perp'), seed.dtype), seed))
-    alpha_sum, = noise.gaussian_sum([alpha_records], self.alpha_l2_norm_clip,
+    alpha_sum = tf.where(decomposing, alpha_sum, tf.zeros_like(alpha_sum))
+    alpha_sum, = noise.add_gaussian([alpha_sum], self.alpha_l2_norm_clip,
                                     self.alpha_noise_multiplier,
                                     noise.substream(seed, 'alpha'))
     rebuilt = reconstruct(alpha_sum, sums, base, blocks)
@@ -313,19 +350,6 @@ class DPDR(core.Privatizer):
         'blocks': blocks,
     }
     return noisy_sum, new_state
-
-  def _dp_sgd_records(self, grads):
-    clipped, _ = clipping.clip_per_example(grads, self._l2_norm_clip)
-    no_alpha = tf.zeros([tf.shape(grads[0])[0], len(grads)], tf.float32)
-    return no_alpha, clipped
-
-  def _decomposed_records(self, grads, base, blocks):
-    alpha, perp = decompose(grads, base, blocks)
-    # Clip the alpha vector by its L2 norm (spec §7 P1: the paper's rule has
-    # no absolute value) and g_perp by its global L2 norm (§5.4 flags 7-8).
-    (alpha,), _ = clipping.clip_per_example([alpha], self.alpha_l2_norm_clip)
-    perp, _ = clipping.clip_per_example(perp, self.perp_l2_norm_clip)
-    return alpha, perp
 
   @staticmethod
   def _normalized(released, blocks):

@@ -41,21 +41,13 @@ class Gaussian(core.Privatizer):
     return {'l2_norm_clip': self._l2_norm_clip,
             'noise_multiplier': self._noise_multiplier}
 
-  @property
-  def clipped_sum_norm(self):
-    return self._l2_norm_clip
-
   def update(self, per_example_grads, state, seed, *, public_grads=None):
     del public_grads  # Unused: DP-SGD needs no public data.
+    # Norms, then one weighted sum: the clipped gradients are never formed.
     factors, _ = clipping.clip_factors(per_example_grads, self._l2_norm_clip)
-    return self._noised(noise.batch_sum(per_example_grads, factors), seed), state
-
-  def update_clipped_sum(self, clipped_sum, state, seed):
-    return self._noised(noise.replica_sum(clipped_sum), seed), state
-
-  def _noised(self, sums, seed):
+    sums = noise.batch_sum(per_example_grads, factors)
     return noise.add_gaussian(sums, self._l2_norm_clip, self._noise_multiplier,
-                              seed)
+                              seed), state
 
   def dp_event(self, step):
     del step  # Every step costs the same.

@@ -246,9 +246,8 @@ class GeoDP(core.Privatizer):
 
   def update(self, per_example_grads, state, seed, *, public_grads=None):
     del public_grads  # Unused: GeoDP needs no public data.
-    clipped, _ = clipping.clip_per_example(per_example_grads,
-                                           self._l2_norm_clip)
-    sums = noise.batch_sum(clipped)
+    factors, _ = clipping.clip_factors(per_example_grads, self._l2_norm_clip)
+    sums = noise.batch_sum(per_example_grads, factors)
     flat = tf.concat(
         [tf.reshape(tf.cast(s, tf.float64), [-1]) for s in sums], axis=0)
     r, theta = hyperspherical.to_spherical(flat)

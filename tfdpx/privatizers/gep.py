@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tfdpx import clipping
 from tfdpx import core
+from tfdpx import gradients
 from tfdpx import noise
 
 DEFAULT_NUM_GROUPS = 3  # The official code's `--num_groups` (spec §5.1 D1).
@@ -166,7 +167,12 @@ class GEP(core.Privatizer):
     sensitivities are S1 and S2). The basis costs nothing only because the
     anchors are public and disjoint from the private data (spec §3.6). The
     official code's accountant doubles the subsampled RDP, which understates
-    epsilon (spec §3.3); tfdpx does not offer that accounting.
+    epsilon (spec §3.3); tfdpx does not offer that accounting. The residual
+    sum is formed as a weighted sum of whole gradients minus their part in the
+    subspace; an example whose whole gradient exceeds 1024 S2 is also scaled
+    to that norm, so that float rounding of the subtraction stays far below
+    S2 (`clipping.bound_for_subtraction`; a scaling by at most 1, so the
+    sensitivities are unchanged).
 
   References:
     Yu, Zhang, Chen, Liu, "Do Not Let Privacy Overbill Utility: Gradient
@@ -434,32 +440,79 @@ class GEP(core.Privatizer):
   def update(self, per_example_grads, state, seed, *, public_grads=None):
     if public_grads is None:
       raise ValueError(NO_PUBLIC_DATA_HELP)
-    per_example_grads = [tf.convert_to_tensor(g) for g in per_example_grads]
+    grads = gradients.as_per_example_gradients(per_example_grads)
     public_grads = [tf.convert_to_tensor(g) for g in public_grads]
-    if (len(public_grads) != len(per_example_grads) or
-        any(a.shape[1:] != b.shape[1:]
-            for a, b in zip(public_grads, per_example_grads))):
+    shapes = grads.shapes
+    if (len(public_grads) != len(shapes) or
+        any(a.shape[1:] != b for a, b in zip(public_grads, shapes))):
       raise ValueError(
           'public_grads must have the layout of the private per-example '
           'gradients: one [m, *var.shape] tensor per variable')
-    shapes = [g.shape[1:] for g in per_example_grads]
     segments = self._segments(shapes)
     bases = self.bases(public_grads, seed)
-    embeddings, residuals = self.decompose(per_example_grads, bases,
-                                           residuals=not self._biased)
+    embeddings = self._embeddings(grads, bases, segments)
     # One global clip per part, over all groups (spec §5.2 A3).
-    clipped, _ = clipping.clip_per_example(embeddings, self._s1)
-    noisy_embedding = noise.gaussian_sum(
-        clipped, self._s1, self._sigma1, noise.substream(seed, 'gep/embedding'))
-    out = [tf.linalg.matvec(basis, w)
+    embedding_factors, embedding_norms = clipping.clip_factors(embeddings,
+                                                               self._s1)
+    noisy_embedding = noise.add_gaussian(
+        noise.batch_sum(embeddings, embedding_factors), self._s1,
+        self._sigma1, noise.substream(seed, 'gep/embedding'))
+    out = [tf.linalg.matvec(basis, tf.cast(w, basis.dtype))
            for basis, w in zip(bases, noisy_embedding)]
     if not self._biased:
-      clipped, _ = clipping.clip_per_example(residuals, self._s2)
-      noisy_residual = noise.gaussian_sum(
-          clipped, self._s2, self._sigma2,
+      # The residual r = g - B B^T g is never formed: the columns of B are
+      # orthonormal (or B is zero), so |r|^2 = |g|^2 - |B^T g|^2, and the
+      # clipped sum of r is the weighted sum of g minus B times the weighted
+      # sum of the embeddings (from the unclipped embedding, spec §5.2 A4).
+      sq_norms = gradients.global_sq_norms(grads)
+      residual_sq = sq_norms - tf.square(embedding_norms)
+      factors = clipping.bound_for_subtraction(
+          clipping.clip_factor(tf.sqrt(tf.maximum(residual_sq, 0.0)),
+                               self._s2),
+          tf.sqrt(sq_norms), self._s2)
+      flat_sum = _flat([s[tf.newaxis] for s in noise.batch_sum(grads,
+                                                                factors)])
+      residual_sum = [
+          _gather(flat_sum, group)[0] -
+          tf.linalg.matvec(basis, tf.cast(w, basis.dtype))
+          for group, basis, w in zip(segments, bases,
+                                     noise.batch_sum(embeddings, factors))]
+      noisy_residual = noise.add_gaussian(
+          residual_sum, self._s2, self._sigma2,
           noise.substream(seed, 'gep/residual'))
       out = [u + r for u, r in zip(out, noisy_residual)]
-    return _scatter(out, segments, shapes), state
+    out = _scatter(out, segments, shapes)
+    return out, state
+
+  def _embeddings(self, grads: gradients.PerExampleGradients,
+                  bases: Sequence[tf.Tensor],
+                  segments: Sequence[Sequence[Segment]]) -> List[tf.Tensor]:
+    """`B_j^T g_j` per group, float32 `[B, k_j]`, from per-variable dots.
+
+    Each variable gets as directions the basis columns of the groups it
+    belongs to, restricted to its coordinates (zero elsewhere).
+    """
+    shapes = grads.shapes
+    columns = [[] for _ in shapes]  # Per variable: (group, [k_j, size_v]).
+    for j, (group, basis) in enumerate(zip(segments, bases)):
+      offset = 0
+      for v, start, stop in group:
+        rows = tf.transpose(basis[offset:offset + stop - start])
+        size = int(shapes[v].num_elements())
+        columns[v].append((j, tf.pad(rows, [[0, 0], [start, size - stop]])))
+        offset += stop - start
+    directions = [
+        tf.reshape(tf.concat([c for _, c in items], axis=0),
+                   [-1, *shapes[v]]) if items else None
+        for v, items in enumerate(columns)]
+    embeddings = [0.0] * len(bases)
+    for items, dots in zip(columns, grads.dots(directions)):
+      offset = 0
+      for j, c in items:
+        k = c.shape[0]
+        embeddings[j] += dots[:, offset:offset + k]
+        offset += k
+    return [tf.convert_to_tensor(e) for e in embeddings]
 
   def dp_event(self, step):
     del step  # Every step costs the same.

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Sequence
 import tensorflow as tf
 
 from tfdpx import core
+from tfdpx import gradients
 from tfdpx import noise
 
 _MASK_STREAM = 'sparsification_mask'
@@ -261,9 +262,9 @@ class Sparsified(core.Privatizer):
             'step': tf.constant(0, tf.int64)}
 
   def update(self, per_example_grads, state, seed, *, public_grads=None):
+    grads = gradients.as_per_example_gradients(per_example_grads)
     step = tf.convert_to_tensor(state['step'], tf.int64)
-    masks = self.masks(self._window_tensor(step),
-                       [g.shape[1:] for g in per_example_grads])
+    masks = self.masks(self._window_tensor(step), grads.shapes)
 
     def apply(tensors):
       # The mask broadcasts over the leading batch axis: one mask for all.
@@ -274,7 +275,7 @@ class Sparsified(core.Privatizer):
       # (e.g. GEP's public subspace). Public data costs no privacy.
       public_grads = apply(public_grads)
     noisy_sum, inner_state = self._inner.update(
-        apply(per_example_grads), state['inner'], seed,
+        grads.masked(masks), state['inner'], seed,
         public_grads=public_grads)
     return apply(noisy_sum), {'inner': inner_state, 'step': step + 1}
 

@@ -1,0 +1,91 @@
+"""Every privatizer releases the same through the engine as from materialized
+per-example gradients, with the same noise key, over several steps.
+
+The engine answers each statistic per layer (direct Dense forms, ghost or
+chunked forms for sequences and convolutions, segment sums for embeddings,
+materialized reductions for normalizations and the fallback); the reference
+hands the privatizer the explicitly materialized `[B, *var.shape]` tensors.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.privatizers.cases import CASES
+from tfdpx import gradients
+from tfdpx.keras import recorder
+
+L = tf.keras.layers
+BATCH = 5
+STEPS_PAST_THE_LAST_CHECK = 1
+
+
+def _model():
+  """One model with every per-layer form of the engine."""
+  sequence = tf.keras.Input((6, 7))
+  short = tf.keras.Input((3, 16))
+  image = tf.keras.Input((6, 6, 3))
+  ids = tf.keras.Input((6,), dtype='int32')
+  s = L.Dense(8, activation='tanh')(sequence)  # Dense over positions.
+  s = L.Conv1D(4, 3)(s)
+  s = L.LayerNormalization()(s)
+  s = L.Dense(4)(L.GlobalAveragePooling1D()(s))  # Dense on vectors.
+  t = L.Flatten()(L.Dense(16)(short))  # Few positions: the ghost form.
+  i = L.Conv2D(4, 3, activation='relu')(image)
+  i = L.GroupNormalization(2)(i)
+  i = L.Flatten()(i)
+  e = L.Embedding(3, 4)(ids)  # Three ids over six positions: repeats.
+  e = L.SimpleRNN(3)(e)  # No rule: the vectorized fallback.
+  out = L.Dense(2)(L.Concatenate()([s, t, i, e]))
+  return tf.keras.Model([sequence, short, image, ids], out)
+
+
+def _batch(rng):
+  return [rng.normal(size=(BATCH, 6, 7)).astype('float32'),
+          rng.normal(size=(BATCH, 3, 16)).astype('float32'),
+          rng.normal(size=(BATCH, 6, 6, 3)).astype('float32'),
+          rng.integers(0, 3, size=(BATCH, 6)).astype('int32')]
+
+
+def _grads(model, x, y):
+  return recorder.model_gradients(
+      model, x, lambda outputs: tf.reduce_sum(tf.square(outputs - y), axis=1),
+      model.trainable_variables, chunk_size=2).grads
+
+
+def _relative_error(got, want):
+  got = np.concatenate([np.ravel(g) for g in got])
+  want = np.concatenate([np.ravel(w) for w in want])
+  return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+@pytest.fixture(scope='module')
+def problem():
+  tf.keras.utils.set_random_seed(3)
+  model = _model()
+  rng = np.random.default_rng(0)
+  x, x_public = _batch(rng), _batch(rng)
+  y = rng.normal(size=(BATCH, 2)).astype('float32')
+  engine = _grads(model, x, y)
+  materialized = gradients.MaterializedGradients(engine.materialized())
+  public = _grads(model, x_public, y).materialized()
+  norms = np.sqrt(gradients.global_sq_norms(materialized).numpy())
+  return model, engine, materialized, public, float(np.median(norms))
+
+
+@pytest.mark.parametrize('case', CASES, ids=[c.name for c in CASES])
+def test_the_engine_releases_what_materialized_gradients_release(problem,
+                                                                 case):
+  model, engine, materialized, public, clip = problem
+  assert engine is not materialized
+  privatizer = case.make(0.1, clip)  # About half the examples clipped.
+  public_grads = public if case.needs_public else None
+  states = [privatizer.init(model.trainable_variables)] * 2
+  for step in range(max(case.steps) + 1 + STEPS_PAST_THE_LAST_CHECK):
+    key = tf.constant([5, step], tf.int64)
+    outs = []
+    for i, grads in enumerate((engine, materialized)):
+      out, states[i] = privatizer.update(grads, states[i], key,
+                                         public_grads=public_grads)
+      outs.append([o.numpy() for o in out])
+    assert _relative_error(*outs) <= 1e-5, step
