@@ -57,33 +57,6 @@ def zero_rows(per_example: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
   return tf.where(keep, per_example, tf.zeros_like(per_example))
 
 
-def _scale(per_example: Sequence[tf.Tensor], factor: tf.Tensor):
-  out = []
-  for g in per_example:
-    f = tf.reshape(factor, [-1] + [1] * (g.shape.rank - 1))
-    out.append(g * tf.cast(f, g.dtype))
-  return out
-
-
-def clip_per_example(
-    per_example: Sequence[tf.Tensor], l2_norm_clip
-) -> Tuple[List[tf.Tensor], tf.Tensor]:
-  """Scales each example so its global L2 norm is at most `l2_norm_clip`.
-
-  Uses `1 / max(norm / C, 1)`, which is 1 for a zero example and for an
-  infinite `l2_norm_clip` (no NaN in either case).
-
-  Args:
-    per_example: one `[B, ...]` tensor per variable.
-    l2_norm_clip: positive clip norm C (may be `inf`).
-
-  Returns:
-    `(clipped, norms)`: the clipped tensors and the unclipped norms `[B]`.
-  """
-  factors, norms = clip_factors(per_example, l2_norm_clip)
-  return _scale(per_example, factors), norms
-
-
 def clip_factors(per_example, l2_norm_clip) -> Tuple[tf.Tensor, tf.Tensor]:
   """The factors `1 / max(norm / C, 1)` that clip each example, and the norms.
 
@@ -152,17 +125,3 @@ def normalize_factors(per_example, gamma) -> tf.Tensor:
   grads = gradients.as_per_example_gradients(per_example)
   norms = tf.sqrt(gradients.global_sq_norms(grads))
   return 1.0 / (norms + tf.cast(gamma, tf.float32))
-
-
-def normalize_per_example(per_example: Sequence[tf.Tensor],
-                          gamma) -> List[tf.Tensor]:
-  """Automatic clipping: each example becomes `g / (||g|| + gamma)`.
-
-  Args:
-    per_example: one `[B, ...]` tensor per variable.
-    gamma: positive stability constant.
-
-  Returns:
-    The normalized tensors (materialized: for tests and references).
-  """
-  return _scale(per_example, normalize_factors(per_example, gamma))
