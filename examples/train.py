@@ -60,8 +60,9 @@ flags.DEFINE_enum('d2p2_noise_schedule', 'constant', list(schedules.NAMES),
                   'D2P2: noise multiplier schedule (docs/d2p2.md).')
 flags.DEFINE_float('d2p2_min_noise_multiplier', None,
                    'D2P2: floor of a decaying schedule.')
-flags.DEFINE_enum('d2p2_projection', 'gaussian', ['gaussian', 'srht', 'none'],
-                  'D2P2: random projection (gaussian: noise then project).')
+flags.DEFINE_enum('d2p2_projection', 'srht', ['srht', 'gaussian', 'none'],
+                  'D2P2: random projection (srht: structured, fast; gaussian: '
+                  "the paper's dense matrix, seconds per step).")
 flags.DEFINE_float('d2p2_projection_ratio', 0.3,
                    'D2P2: projected dimension over the variable size.')
 flags.DEFINE_float('d2p2_gamma', 0.01, 'D2P2: automatic clipping constant.')

@@ -146,8 +146,9 @@ def test_mode_c_delta_is_at_least_the_exact_operator_norm(d, p):
   computed = float(projections.gaussian_max_singular_value(KEY, d, p))
   assert computed >= exact * (1 - 1e-12)
   assert computed == pytest.approx(exact, rel=1e-9)
-  privatizer = tfdpx.privatizers.d2p2(1.0, projection_order='project_first',
-                         projection_ratio=p / d + 1e-9)
+  privatizer = tfdpx.privatizers.d2p2(1.0, projection='gaussian',
+                                      projection_order='project_first',
+                                      projection_ratio=p / d + 1e-9)
   assert privatizer.projected_dim((d,)) == p
   delta = float(privatizer.sensitivity([(d,), (3,)], 0))
   key = privatizer.projection_key(0, 0)
@@ -159,7 +160,8 @@ def test_mode_c_delta_is_at_least_the_exact_operator_norm(d, p):
 
 
 def test_mode_c_refuses_dimensions_it_cannot_bound_exactly():
-  privatizer = tfdpx.privatizers.d2p2(1.0, projection_order='project_first')
+  privatizer = tfdpx.privatizers.d2p2(1.0, projection='gaussian',
+                                      projection_order='project_first')
   with pytest.raises(ValueError, match='project_first'):
     privatizer.init([tf.Variable(tf.zeros((100, 50)))])
 
@@ -201,7 +203,8 @@ def _released(privatizer, d, trials, z):
 
 def test_mode_n_noise_is_z_in_d_space_projected():
   d, z, trials = 64, 1.7, 200
-  privatizer = tfdpx.privatizers.d2p2(z, resample_projection='never')
+  privatizer = tfdpx.privatizers.d2p2(z, projection='gaussian',
+                                      resample_projection='never')
   outs, p, key = _released(privatizer, d, trials, z)
   a = projections.gaussian_dense(key, d, p).numpy().astype('float64')
   # 15: every output lies in the column space of A.
@@ -216,7 +219,8 @@ def test_mode_n_noise_is_z_in_d_space_projected():
 
 def test_mode_c_noise_is_z_delta_in_p_space():
   d, z, trials = 64, 0.9, 300
-  privatizer = tfdpx.privatizers.d2p2(z, projection_order='project_first',
+  privatizer = tfdpx.privatizers.d2p2(z, projection='gaussian',
+                                      projection_order='project_first',
                          resample_projection='never')
   outs, p, key = _released(privatizer, d, trials, z)
   a = projections.gaussian_dense(key, d, p).numpy().astype('float64')
@@ -252,7 +256,7 @@ def test_mode_o_noise_is_z_in_p_space(gain):
 
 def test_mode_n_expected_output_noise_std():
   d, z, trials = 40, 1.0, 300
-  privatizer = tfdpx.privatizers.d2p2(z)  # Resampled every step: average over A.
+  privatizer = tfdpx.privatizers.d2p2(z, projection='gaussian')  # Resampled: mean over A.
   update = tf.function(privatizer.update)
   outs = [update([tf.zeros((2, d))], {'step': tf.constant(t, tf.int64)},
                  tf.constant([t, 9], tf.int64))[0][0].numpy()

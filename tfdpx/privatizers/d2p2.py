@@ -2,7 +2,8 @@
 
 One privatizer covers the paper's family; the variants are configurations:
 
-* D2P2-SGD: a decaying `noise_schedule` and `projection='gaussian'`;
+* D2P2-SGD: a decaying `noise_schedule` and a projection (the paper's
+  `projection='gaussian'`, or the default, structured `'srht'`);
 * D2P-SGD: a decaying schedule and `projection='none'` (noise in d dims);
 * DP2-SGD: `noise_schedule='constant'` and a projection;
 * auto-clipped DP-SGD: `'constant'` and `projection='none'`.
@@ -93,7 +94,7 @@ class D2P2(core.Privatizer):
                min_noise_multiplier: Optional[float] = None,
                steps_per_epoch: Optional[int] = None,
                gamma: float = 0.01,
-               projection: str = 'gaussian',
+               projection: str = 'srht',
                projection_ratio: float = 0.3,
                projection_order: Optional[str] = None,
                back_projection: str = 'paper',
@@ -109,8 +110,10 @@ class D2P2(core.Privatizer):
       min_noise_multiplier: floor of a decaying named schedule (required).
       steps_per_epoch: for 'inv_fourth_root_epoch'.
       gamma: stability constant of automatic clipping, > 0.
-      projection: 'gaussian' (paper), 'srht' (structured, scales to large
-        variables) or 'none'.
+      projection: 'srht' (the default: a structured projection, O(d log d)
+        per variable and step), 'gaussian' (the paper's dense Gaussian
+        matrix: O(d p) normals per variable and step, regenerated in blocks,
+        seconds per step on a 26k-parameter CNN) or 'none'.
       projection_ratio: `p / d` in (0, 1].
       projection_order: 'noise_first' (mode N) or 'project_first' (mode C for
         'gaussian', mode O for 'srht'); default N for 'gaussian', O for
