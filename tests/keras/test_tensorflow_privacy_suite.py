@@ -151,9 +151,8 @@ def _with_tfdpx_models(function):
 def _params(cases, models):
   """pytest params; a test function's cases beyond a few are mostly slow.
 
-  `make test` runs every optimizer case (at most 4 per test function) and,
-  of the model tests' parameter products (12 to 32 cases each), the first
-  and the last; `make test-all` runs all of them.
+  `make test` runs every case of a test function with at most 4 cases and
+  the first and the last of the others; `make test-all` runs all of them.
   """
   cases = list(cases)
   params = []
