@@ -418,7 +418,7 @@ class DPOptimizerMixin:
       num_examples = grads.batch_size()
     return self._privatized(
         var_list, lambda state, seed: self._privatizer.update(
-            grads.materialized(), state, seed, public_grads=public_grads),
+            grads, state, seed, public_grads=public_grads),
         num_examples)
 
   def _privatized(self, var_list, update, num_examples=None):
