@@ -147,24 +147,3 @@ def add_gaussian(sums: Sequence[tf.Tensor], l2_norm_clip, noise_multiplier,
   stddev = tf.math.multiply_no_nan(_float64(l2_norm_clip),
                                    _float64(noise_multiplier))
   return [s + n for s, n in zip(sums, gaussian_like(sums, stddev, seed))]
-
-
-def gaussian_sum(
-    records: Sequence[tf.Tensor], l2_norm_clip, noise_multiplier, seed: tf.Tensor
-) -> List[tf.Tensor]:
-  """Sum over the batch axis plus Gaussian noise of std `l2_norm_clip * noise_multiplier`.
-
-  The records must already be clipped so that, over all tensors together, each
-  example's L2 norm is at most `l2_norm_clip`: then this is the Gaussian
-  mechanism with noise multiplier `noise_multiplier`.
-
-  Args:
-    records: one `[B, ...]` tensor per variable (or per released part).
-    l2_norm_clip: the L2 bound of one example's records.
-    noise_multiplier: noise std in units of `l2_norm_clip`.
-    seed: int64 `[2]` seed of this release.
-
-  Returns:
-    One `[...]` tensor per record tensor.
-  """
-  return add_gaussian(batch_sum(records), l2_norm_clip, noise_multiplier, seed)

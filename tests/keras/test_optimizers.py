@@ -11,6 +11,7 @@ from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras_vectorized 
 
 import tfdpx
 from tests import stats
+from tfdpx import gradients
 from tfdpx import noise
 from tfdpx.privatizers import gaussian
 
@@ -62,8 +63,9 @@ class _MisScaledGaussian(tfdpx.privatizers.Gaussian):
   """Adds 3% more noise than its event claims: the check below must catch it."""
 
   def update(self, per_example_grads, state, seed, *, public_grads=None):
-    clipped = [g * 0 for g in per_example_grads]
-    return noise.gaussian_sum(clipped, self.config['l2_norm_clip'],
+    grads = gradients.as_per_example_gradients(per_example_grads)
+    zeros = [tf.zeros(s, d) for s, d in zip(grads.shapes, grads.dtypes)]
+    return noise.add_gaussian(zeros, self.config['l2_norm_clip'],
                               1.03 * self.noise_multiplier, seed), state
 
 

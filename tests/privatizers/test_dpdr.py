@@ -324,8 +324,8 @@ def test_alpha_noise_has_one_coordinate_per_block(granularity):
 
 
 def _same(a, b):
-  """Equal up to float32 rounding. `noise.gaussian_sum` turns Python floats
-  into float32 before float64, DPDR hands it exact float64 multipliers."""
+  """Equal up to float32 rounding (the two compute their sums and noise
+  scales in different orders)."""
   return all(np.allclose(x.numpy(), y.numpy(), rtol=1e-6, atol=1e-6)
              for x, y in zip(a, b))
 
