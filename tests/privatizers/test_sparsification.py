@@ -190,7 +190,10 @@ def test_mask_is_recomputed_from_the_restored_state():
   before, _ = wrapper.update(grads, state, tf.constant([0, 5], tf.int64))
   config = {k: v for k, v in wrapper.config.items() if k != 'inner'}
   rebuilt = privatizers.Sparsified(_Echo(), **config)
-  restored = {'inner': {}, 'step': tf.constant(int(state['step']), tf.int64)}
+  # A fresh state at the same step: no masks kept, so they are drawn again
+  # from the window alone (`before` used the masks kept since step 4).
+  restored = rebuilt.init(_variables())
+  restored['step'] = tf.constant(int(state['step']), tf.int64)
   after, _ = rebuilt.update(grads, restored, tf.constant([0, 5], tf.int64))
   for a, b in zip(before, after):
     np.testing.assert_array_equal(a.numpy(), b.numpy())

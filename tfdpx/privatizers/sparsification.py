@@ -259,12 +259,19 @@ class Sparsified(core.Privatizer):
 
   def init(self, params):
     return {'inner': self._inner.init(params),
-            'step': tf.constant(0, tf.int64)}
+            'step': tf.constant(0, tf.int64),
+            # The masks of window `window`, kept for the window's steps
+            # (drawing them sorts all d coordinates); -1: none drawn yet.
+            'window': tf.constant(-1, tf.int64),
+            'masks': [tf.zeros(p.shape, tf.float32) for p in params]}
 
   def update(self, per_example_grads, state, seed, *, public_grads=None):
     grads = gradients.as_per_example_gradients(per_example_grads)
     step = tf.convert_to_tensor(state['step'], tf.int64)
-    masks = self.masks(self._window_tensor(step), grads.shapes)
+    window = self._window_tensor(step)
+    masks = tf.cond(
+        tf.equal(window, state['window']), lambda: list(state['masks']),
+        lambda: self.masks(window, grads.shapes))
 
     def apply(tensors):
       # The mask broadcasts over the leading batch axis: one mask for all.
@@ -277,7 +284,8 @@ class Sparsified(core.Privatizer):
     noisy_sum, inner_state = self._inner.update(
         grads.masked(masks), state['inner'], seed,
         public_grads=public_grads)
-    return apply(noisy_sum), {'inner': inner_state, 'step': step + 1}
+    return apply(noisy_sum), {'inner': inner_state, 'step': step + 1,
+                              'window': window, 'masks': masks}
 
   def dp_event(self, step):
     # The mask is data-independent: exactly the inner step's cost.
