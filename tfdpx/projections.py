@@ -171,19 +171,23 @@ def srht_parts(key, d: int, p: int):
   return signs, rows
 
 
-def srht_forward(x, key, p: int) -> tf.Tensor:
-  """`R x` (length p) for a flat float32 `x` of length d."""
+def srht_forward(x, key, p: int, parts=None) -> tf.Tensor:
+  """`R x` (length p) for a flat float32 `x` of length d.
+
+  `parts`: `srht_parts(key, d, p)` if already drawn (the rows cost a sort of
+  d' keys).
+  """
   d = int(x.shape[0])
   dp = padded_dim(d)
-  signs, rows = srht_parts(key, d, p)
+  signs, rows = srht_parts(key, d, p) if parts is None else parts
   mixed = fwht(signs * tf.pad(x, [[0, dp - d]])) * (1.0 / math.sqrt(dp))
   return tf.gather(mixed, rows)
 
 
-def srht_backward(v, key, d: int) -> tf.Tensor:
-  """`R^T v` (length d) for a float32 `v` of length p."""
+def srht_backward(v, key, d: int, parts=None) -> tf.Tensor:
+  """`R^T v` (length d) for a float32 `v` of length p; `parts` as above."""
   p = int(v.shape[0])
   dp = padded_dim(d)
-  signs, rows = srht_parts(key, d, p)
+  signs, rows = srht_parts(key, d, p) if parts is None else parts
   spread = tf.scatter_nd(rows[:, None], v, [dp])
   return (signs * fwht(spread) * (1.0 / math.sqrt(dp)))[:d]

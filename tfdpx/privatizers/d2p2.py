@@ -219,17 +219,25 @@ class D2P2(core.Privatizer):
     dp = projections.padded_dim(d)
     return dp / math.sqrt(p) if self._gain == 'paper' else dp / p
 
-  def _forward(self, x, key, p):
+  def _forward(self, x, key, p, parts):
     if self._projection == 'gaussian':
       return projections.gaussian_forward(x, key, p) / math.sqrt(p)
-    return projections.srht_forward(x, key, p)
+    return projections.srht_forward(x, key, p, parts)
 
-  def _backward(self, v, key, d, p):
+  def _backward(self, v, key, d, p, parts):
     if self._projection == 'gaussian':
       out = projections.gaussian_backward(v, key, d)
     else:
-      out = projections.srht_backward(v, key, d)
+      out = projections.srht_backward(v, key, d, parts)
     return out * self._gain_factor(d, p)
+
+  def _srht_parts(self, index, shape, step):
+    """The SRHT's signs and rows of one variable and step, drawn once for
+    both directions; None without an SRHT projection of that variable."""
+    if self._projection != 'srht' or not self.projected(shape):
+      return None
+    return projections.srht_parts(self.projection_key(index, step),
+                                  math.prod(shape), self.projected_dim(shape))
 
   def _check_shapes(self, shapes):
     if self.mode != 'C':
@@ -317,38 +325,41 @@ class D2P2(core.Privatizer):
     sums = noise.batch_sum(grads, clipping.normalize_factors(grads,
                                                              self._gamma))
     noise_seed = noise.substream(seed, 'd2p2/noise')
+    parts = [self._srht_parts(index, shape, step)
+             for index, shape in enumerate(shapes)]
     if self.mode in ('none', 'N'):
       # A DP-SGD release of sensitivity 1; the projections post-process it.
       released = noise.add_gaussian(sums, 1.0, z, noise_seed)
-      out = [self._round_trip(index, r, step)
+      out = [self._round_trip(index, r, step, parts[index])
              for index, r in enumerate(released)]
     else:
       delta = self.sensitivity(shapes, step)
-      projected = [self._project(index, s, step)
+      projected = [self._project(index, s, step, parts[index])
                    for index, s in enumerate(sums)]
       noisy = [v + n for v, n in zip(
           projected, noise.gaussian_like(projected, z * delta, noise_seed))]
-      out = [self._back(index, v, shape, step)
+      out = [self._back(index, v, shape, step, parts[index])
              for index, (v, shape) in enumerate(zip(noisy, shapes))]
     return out, {'step': step + 1}
 
-  def _project(self, index, total, step) -> tf.Tensor:
+  def _project(self, index, total, step, parts) -> tf.Tensor:
     if not self.projected(total.shape):
       return total
     p = self.projected_dim(total.shape)
     return self._forward(tf.reshape(total, [-1]),
-                         self.projection_key(index, step), p)
+                         self.projection_key(index, step), p, parts)
 
-  def _back(self, index, v, shape, step) -> tf.Tensor:
+  def _back(self, index, v, shape, step, parts) -> tf.Tensor:
     if not self.projected(shape):
       return v
     d, p = math.prod(shape), self.projected_dim(shape)
-    out = self._backward(v, self.projection_key(index, step), d, p)
+    out = self._backward(v, self.projection_key(index, step), d, p, parts)
     return tf.reshape(out, shape)
 
-  def _round_trip(self, index, total, step) -> tf.Tensor:
+  def _round_trip(self, index, total, step, parts) -> tf.Tensor:
     shape = tuple(total.shape)
-    return self._back(index, self._project(index, total, step), shape, step)
+    return self._back(index, self._project(index, total, step, parts), shape,
+                      step, parts)
 
 
 def d2p2(noise_multiplier: float, **kwargs) -> D2P2:
