@@ -1,21 +1,25 @@
-"""Seconds per training step and peak memory: tfdpx against the alternatives.
+"""Step time and peak memory of private training, as a ratio to plain Keras.
 
-`make bench` (`python -m benchmarks.speed`) times, in one process, for the
-tensorflow-privacy MNIST tutorial CNN and an MLP at several batch sizes:
-non-private Keras `fit`; tfdpx via `make_private` (each privatizer, with and
-without `jit_compile`; DP-SGD also with fast clipping off, `materialized`, and
-with the vectorized fallback only); tfdpx through
-the compile path (`tape.jacobian`); tensorflow-privacy's `DPSequential` and its
-`VectorizedDPKerasSGDOptimizer` through `fit`. The quadratic paths are timed
-for a few steps only and skipped above `--max_quadratic_batch`. Each figure is
-the median wall time of a training step after warm-up, and the ratio to the
-non-private step of the same model and batch.
+`make bench` (`python -m benchmarks.speed`) measures, for each model and
+batch size, the seconds per training step of a plain Keras `fit` (the
+non-private baseline) and of each private configuration of the same model on
+the same data: tfdpx's `make_private` with every privatizer (with and
+without `jit_compile`) and, for Sequential models, tensorflow-privacy's
+`DPSequential`. The protocol:
 
-Peak memory is the maximum resident set of a fresh process that trains a few
-steps of one configuration (`--memory`), so one figure does not hide another.
+- every configuration is built and warmed up by one whole `fit` call first
+  (tracing and compilation are not timed);
+- then `--repetitions` rounds, each timing one whole `fit` call of
+  `--steps` steps per configuration, round-robin, so that load on the machine
+  hits every configuration alike; no callbacks, `verbose=0`, no shuffling;
+- a configuration's figure is its fastest round divided by the number of
+  steps, and its ratio is that over the non-private figure of the same model
+  and batch from the same run.
+
+Peak memory (`--memory`) is the maximum resident set (VmHWM) of a fresh
+process that trains one configuration for a few steps at batch 1024.
 """
 
-import statistics
 import subprocess
 import sys
 import time
@@ -26,49 +30,51 @@ import numpy as np
 import tensorflow as tf
 from tensorflow_privacy.privacy.fast_gradient_clipping import layer_registry
 from tensorflow_privacy.privacy.keras_models import dp_keras_model
-from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras_vectorized as tfp_vectorized
 
 import tfdpx
 from tfdpx import privatizers
-from tfdpx.privatizers import gaussian
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list('models', ['cnn', 'mlp'], 'Models to time.')
-flags.DEFINE_list('batches', ['64', '256', '1024'], 'Batch sizes.')
-flags.DEFINE_integer('steps', 8, 'Timed steps per configuration.')
-flags.DEFINE_integer('quadratic_steps', 2,
-                     'Timed steps for the O(batch^2) jacobian paths.')
-flags.DEFINE_integer('max_quadratic_batch', 256,
-                     'Largest batch for the O(batch^2) jacobian paths.')
-flags.DEFINE_integer('chunk_size', 128, 'make_private chunk_size.')
+flags.DEFINE_list('models', ['cnn', 'mlp', 'text', 'transformer', 'cifar_cnn'],
+                  'Models to time.')
+flags.DEFINE_list('batches', ['256'], 'Batch sizes.')
+flags.DEFINE_integer('steps', 8, 'Steps per timed fit call.')
+flags.DEFINE_integer('repetitions', 3, 'Timed rounds; the fastest counts.')
 flags.DEFINE_list('privatizers', None,
-                  'Privatizers timed via make_private (default: all).')
-flags.DEFINE_bool('memory', True, 'Also measure peak memory per process.')
+                  'Privatizers run via make_private (default: all).')
+flags.DEFINE_bool('xla', True, 'Also time each privatizer with jit_compile.')
+flags.DEFINE_list('memory_models', ['cnn', 'text'],
+                  'Models whose peak memory at batch 1024 is measured.')
+flags.DEFINE_bool('memory', True, 'Measure peak memory.')
+flags.DEFINE_string('out', None, 'Also write the tables to this file.')
 flags.DEFINE_string('memory_probe', None,
-                    'Internal: "model,batch,config": train a few steps and '
-                    'print the peak resident set in MiB.')
+                    'Internal: "model,batch,config": train a few steps in '
+                    'this process and print its peak resident set in MiB.')
 
 L = tf.keras.layers
-NUM_CLASSES = 10
-NUM_PUBLIC = 256  # GEP's public examples, whose gradients each step computes.
-# Every privatizer at clip norm 1 and noise multiplier 1 (D2P2: automatic
-# clipping, SRHT projection; its default Gaussian projection draws O(d p)
-# normals per step, see docs/d2p2.md).
+VOCAB, TOKENS = 20000, 128
+NUM_PUBLIC = 256  # GEP's public examples, whose gradients every step forms.
+
+# Clip norm 1 and noise multiplier 1 for all (D2P2: automatic clipping, its
+# default SRHT projection). The schedule of `sparsified` keeps 10% of the
+# coordinates from the second step on.
 PRIVATIZERS = {
-    'gaussian': lambda: gaussian(1.0, 1.0),
-    # Two one-step epochs: every step after the first keeps 10% of the
-    # coordinates.
-    'sparsified': lambda: privatizers.sparsified(gaussian(1.0, 1.0), 0.9, 2, 1),
+    'gaussian': lambda: privatizers.gaussian(1.0, 1.0),
     'dpdr': lambda: privatizers.dpdr(1.0, 1.0),
-    'd2p2_srht': lambda: privatizers.d2p2(1.0, projection='srht'),
+    'sparsified': lambda: privatizers.sparsified(
+        privatizers.gaussian(1.0, 1.0), 0.9, epochs=2, steps_per_epoch=1),
+    'd2p2': lambda: privatizers.d2p2(1.0),
     'gep': lambda: privatizers.gep(50, 1.0, 1.0, 1.0),
     'geodp': lambda: privatizers.geodp(1.0, 1.0),
 }
 
 
+# --- models --------------------------------------------------------------------
+
+
 def tutorial_cnn():
   """tensorflow-privacy's MNIST tutorial CNN (26k parameters)."""
-  return [
+  return tf.keras.Sequential([
       tf.keras.Input((28, 28, 1)),
       L.Conv2D(16, 8, strides=2, padding='same', activation='relu'),
       L.MaxPool2D(2, 1),
@@ -76,120 +82,162 @@ def tutorial_cnn():
       L.MaxPool2D(2, 1),
       L.Flatten(),
       L.Dense(32, activation='relu'),
-      L.Dense(NUM_CLASSES),
-  ]
+      L.Dense(10),
+  ])
 
 
 def mlp():
-  return [
-      tf.keras.Input((28, 28, 1)),
+  """784-128-128-10 (118k parameters)."""
+  return tf.keras.Sequential([
+      tf.keras.Input((784,)),
+      L.Dense(128, activation='relu'),
+      L.Dense(128, activation='relu'),
+      L.Dense(10),
+  ])
+
+
+def text():
+  """Embedding(20000, 64) over 128 tokens, pooled, two Dense (1.3M)."""
+  return tf.keras.Sequential([
+      tf.keras.Input((TOKENS,), dtype='int32'),
+      L.Embedding(VOCAB, 64),
+      L.GlobalAveragePooling1D(),
+      L.Dense(64, activation='relu'),
+      L.Dense(2),
+  ])
+
+
+class _Positions(L.Layer):
+  """Adds a learned embedding of each position to the token embeddings."""
+
+  def build(self, input_shape):
+    self.positions = L.Embedding(input_shape[1], input_shape[2])
+    super().build(input_shape)
+
+  def call(self, inputs):
+    return inputs + self.positions(tf.range(tf.shape(inputs)[1]))
+
+
+def transformer():
+  """One transformer block over 128 tokens (Embedding(20000, 64))."""
+  tokens = tf.keras.Input((TOKENS,), dtype='int32')
+  x = _Positions()(L.Embedding(VOCAB, 64)(tokens))
+  x = L.LayerNormalization()(x + L.MultiHeadAttention(4, 16)(x, x))
+  feed_forward = L.Dense(64)(L.Dense(128, activation='relu')(x))
+  x = L.LayerNormalization()(x + feed_forward)
+  return tf.keras.Model(tokens, L.Dense(2)(L.GlobalAveragePooling1D()(x)))
+
+
+def cifar_cnn():
+  """A CIFAR-10 CNN: four 3x3 convolutions, two Dense (0.36M parameters)."""
+  return tf.keras.Sequential([
+      tf.keras.Input((32, 32, 3)),
+      L.Conv2D(32, 3, padding='same', activation='relu'),
+      L.Conv2D(32, 3, activation='relu'),
+      L.MaxPool2D(),
+      L.Conv2D(64, 3, padding='same', activation='relu'),
+      L.Conv2D(64, 3, activation='relu'),
+      L.MaxPool2D(),
       L.Flatten(),
       L.Dense(128, activation='relu'),
-      L.Dense(128, activation='relu'),
-      L.Dense(NUM_CLASSES),
-  ]
+      L.Dense(10),
+  ])
 
 
-MODELS = {'cnn': tutorial_cnn, 'mlp': mlp}
+# name -> (builder, one random input batch of n rows, number of classes).
+MODELS = {
+    'cnn': (tutorial_cnn,
+            lambda rng, n: rng.uniform(size=(n, 28, 28, 1)), 10),
+    'mlp': (mlp, lambda rng, n: rng.uniform(size=(n, 784)), 10),
+    'text': (text, lambda rng, n: rng.integers(0, VOCAB, (n, TOKENS)), 2),
+    'transformer': (transformer,
+                    lambda rng, n: rng.integers(0, VOCAB, (n, TOKENS)), 2),
+    'cifar_cnn': (cifar_cnn,
+                  lambda rng, n: rng.uniform(size=(n, 32, 32, 3)), 10),
+}
 
 
-def _loss(reduction=tf.keras.losses.Reduction.NONE):
-  return tf.keras.losses.SparseCategoricalCrossentropy(
-      from_logits=True, reduction=reduction)
+def data(model_name, rows, seed=0):
+  """Random inputs and labels: speed does not depend on the values."""
+  _, inputs, classes = MODELS[model_name]
+  rng = np.random.default_rng(seed)
+  x = inputs(rng, rows)
+  x = x.astype('int32' if x.dtype.kind == 'i' else 'float32')
+  return x, rng.integers(0, classes, size=(rows,))
 
 
-def _data(batch, steps):
-  rng = np.random.default_rng(0)
-  n = batch * steps
-  x = rng.uniform(size=(n, 28, 28, 1)).astype('float32')
-  y = rng.integers(0, NUM_CLASSES, size=(n,))
-  return x, y
+# --- configurations ------------------------------------------------------------
 
 
-def _dp_sgd(batch, privatizer):
-  return tfdpx.keras.DPSGD(privatizer=privatizer, expected_batch_size=batch,
-                           learning_rate=0.1)
+def _loss(reduction='none'):
+  return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                       reduction=reduction)
+
+
+def configs(model_name):
+  names = ['non-private']
+  for name in FLAGS.privatizers or PRIVATIZERS:
+    names.append(f'tfdpx {name}')
+    if FLAGS.xla:
+      names.append(f'tfdpx {name} xla')
+  if isinstance(MODELS[model_name][0](), tf.keras.Sequential):
+    names.append('tf-privacy DPSequential')
+  return names
 
 
 def build(model_name, batch, config):
-  """A compiled model for one configuration of the table."""
-  layers = MODELS[model_name]
-  sgd = tf.keras.optimizers.legacy.SGD(0.1)
+  """The compiled model of one configuration."""
+  make = MODELS[model_name][0]
   if config == 'non-private':
-    model = tf.keras.Sequential(layers())
-    model.compile(sgd, _loss('sum_over_batch_size'))
-  elif config == 'tfdpx compile path':
-    model = tf.keras.Sequential(layers())
-    model.compile(_dp_sgd(batch, gaussian(1.0, 1.0)), _loss())
-  elif config.startswith('tfdpx '):
-    _, name, *options = config.split()
-    privatizer = PRIVATIZERS[name]()
-    public_data = None
-    if privatizer.requires_public_grads:
-      public_data = _data(NUM_PUBLIC, 1)
-    model = tfdpx.keras.make_private(
-        tf.keras.Sequential(layers()), chunk_size=FLAGS.chunk_size,
-        public_data=public_data, use_layer_rules='fallback' not in options,
-        fast_clipping='materialized' not in options)
-    model.compile(_dp_sgd(batch, privatizer), _loss(),
-                  jit_compile='xla' in options)
+    model = make()
+    model.compile(tf.keras.optimizers.SGD(0.1), _loss('sum_over_batch_size'))
   elif config == 'tf-privacy DPSequential':
     model = dp_keras_model.DPSequential(
         l2_norm_clip=1.0, noise_multiplier=1.0,
         layer_registry=layer_registry.make_default_layer_registry(),
-        layers=layers())
-    model.compile(sgd, _loss('sum_over_batch_size'))
-  elif config == 'tf-privacy vectorized':
-    model = tf.keras.Sequential(layers())
-    model.compile(
-        tfp_vectorized.VectorizedDPKerasSGDOptimizer(
-            l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=0.1),
-        _loss())
+        layers=make().layers)
+    model.compile(tf.keras.optimizers.SGD(0.1), _loss('sum_over_batch_size'))
   else:
-    raise ValueError(f'unknown configuration {config!r}')
+    _, name, *options = config.split()
+    privatizer = PRIVATIZERS[name]()
+    public_data = (data(model_name, NUM_PUBLIC, seed=1)
+                   if privatizer.requires_public_grads else None)
+    model = tfdpx.keras.make_private(make(), public_data=public_data)
+    model.compile(
+        tfdpx.keras.DPSGD(privatizer=privatizer, expected_batch_size=batch,
+                          learning_rate=0.1),
+        _loss(), jit_compile='xla' in options)
   return model
 
 
-def configs():
-  names = ['non-private']
-  for name in FLAGS.privatizers or PRIVATIZERS:
-    names += [f'tfdpx {name}', f'tfdpx {name} xla']
-  names += ['tfdpx gaussian materialized', 'tfdpx gaussian fallback',
-            'tfdpx compile path', 'tf-privacy DPSequential',
-            'tf-privacy vectorized']
-  return names
+def _fit_seconds(model, x, y, batch):
+  start = time.perf_counter()
+  model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+  return time.perf_counter() - start
 
 
-def quadratic(config):
-  return config in ('tfdpx compile path', 'tf-privacy vectorized')
+def time_model(model_name, batch):
+  """{config: seconds per step}, interleaved round-robin in this process."""
+  x, y = data(model_name, batch * FLAGS.steps)
+  models = {}
+  for config in configs(model_name):
+    models[config] = build(model_name, batch, config)
+    _fit_seconds(models[config], x, y, batch)  # Traces and compiles.
+  best = {config: float('inf') for config in models}
+  for _ in range(FLAGS.repetitions):
+    for config, model in models.items():
+      best[config] = min(best[config], _fit_seconds(model, x, y, batch))
+  return {config: seconds / FLAGS.steps for config, seconds in best.items()}
 
 
-class _StepTimer(tf.keras.callbacks.Callback):
-
-  def __init__(self):
-    super().__init__()
-    self.ends = []
-
-  def on_train_batch_end(self, batch, logs=None):
-    float(logs['loss'])  # Waits for the step to finish.
-    self.ends.append(time.perf_counter())
-
-
-def seconds_per_step(model, batch, steps):
-  """Median seconds of the steps after the first (which traces)."""
-  x, y = _data(batch, steps + 2)
-  timer = _StepTimer()
-  model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0,
-            callbacks=[timer])
-  return statistics.median(np.diff(timer.ends[1:]))
+# --- memory --------------------------------------------------------------------
 
 
 def peak_rss_mib(model_name, batch, config):
   """Peak resident set of a fresh process training `config`, in MiB."""
   result = subprocess.run(
       [sys.executable, '-m', 'benchmarks.speed',
-       f'--memory_probe={model_name},{batch},{config}',
-       f'--chunk_size={FLAGS.chunk_size}'],
+       f'--memory_probe={model_name},{batch},{config}'],
       capture_output=True, text=True, check=True)
   return float(result.stdout.strip().splitlines()[-1])
 
@@ -197,9 +245,9 @@ def peak_rss_mib(model_name, batch, config):
 def _probe():
   model_name, batch, config = FLAGS.memory_probe.split(',')
   batch = int(batch)
-  seconds_per_step(build(model_name, batch, config), batch, 3)
-  # VmHWM, not getrusage: after fork and exec, ru_maxrss keeps the parent's
-  # high-water mark; VmHWM belongs to this process image only.
+  x, y = data(model_name, batch * 3)
+  _fit_seconds(build(model_name, batch, config), x, y, batch)
+  # VmHWM: this process image's own high-water mark.
   with open('/proc/self/status') as status:
     kib = next(int(line.split()[1]) for line in status
                if line.startswith('VmHWM:'))
@@ -212,33 +260,41 @@ def main(argv):
   if FLAGS.memory_probe:
     _probe()
     return
-  print(f'# tfdpx speed benchmark, {time.strftime("%Y-%m-%d %H:%M")}, '
-        f'TensorFlow {tf.__version__}, {len(tf.config.list_logical_devices("CPU"))} '
-        f'CPU device(s), chunk_size {FLAGS.chunk_size}')
-  print('| model | batch | configuration | s/step | x non-private |')
-  print('|---|---:|---|---:|---:|')
+  lines = []
+
+  def emit(line=''):
+    print(line, flush=True)
+    lines.append(line)
+
+  emit(f'# tfdpx speed benchmark, {time.strftime("%Y-%m-%d %H:%M UTC")}, '
+       f'TensorFlow {tf.__version__}, steps {FLAGS.steps}, repetitions '
+       f'{FLAGS.repetitions}')
+  emit()
+  emit('| model | batch | configuration | ms/step | x non-private |')
+  emit('|---|---:|---|---:|---:|')
   for model_name in FLAGS.models:
     for batch in map(int, FLAGS.batches):
-      baseline = None
-      for config in configs():
-        if quadratic(config) and batch > FLAGS.max_quadratic_batch:
-          continue
-        steps = FLAGS.quadratic_steps if quadratic(config) else FLAGS.steps
-        seconds = seconds_per_step(build(model_name, batch, config), batch,
-                                   steps)
-        baseline = baseline or seconds
-        print(f'| {model_name} | {batch} | {config} | {seconds:.4f} | '
-              f'{seconds / baseline:.1f} |', flush=True)
-        tf.keras.backend.clear_session()
+      seconds = time_model(model_name, batch)
+      baseline = seconds['non-private']
+      for config, value in seconds.items():
+        emit(f'| {model_name} | {batch} | {config} | {1000 * value:.1f} | '
+             f'{value / baseline:.1f} |')
+      tf.keras.backend.clear_session()
   if FLAGS.memory:
-    print('\n| model | configuration | batch 128 MiB | batch 1024 MiB | '
-          'ratio |')
-    print('|---|---|---:|---:|---:|')
-    for config in ('non-private', 'tfdpx gaussian',
-                   'tfdpx gaussian materialized', 'tfdpx dpdr'):
-      small, large = (peak_rss_mib('cnn', b, config) for b in (128, 1024))
-      print(f'| cnn | {config} | {small:.0f} | {large:.0f} | '
-            f'{large / small:.2f} |', flush=True)
+    emit()
+    emit('| model | configuration | peak MiB, batch 1024 | x non-private |')
+    emit('|---|---|---:|---:|')
+    for model_name in FLAGS.memory_models:
+      baseline = None
+      for config in configs(model_name):
+        if config.endswith(' xla'):
+          continue
+        mib = peak_rss_mib(model_name, 1024, config)
+        baseline = baseline or mib
+        emit(f'| {model_name} | {config} | {mib:.0f} | {mib / baseline:.2f} |')
+  if FLAGS.out:
+    with open(FLAGS.out, 'w') as out:
+      out.write('\n'.join(lines) + '\n')
 
 
 if __name__ == '__main__':
