@@ -56,13 +56,14 @@ VOCAB, TOKENS = 20000, 128
 NUM_PUBLIC = 256  # GEP's public examples, whose gradients every step forms.
 
 # Clip norm 1 and noise multiplier 1 for all (D2P2: automatic clipping, its
-# default SRHT projection). The schedule of `sparsified` keeps 10% of the
-# coordinates from the second step on.
+# default SRHT projection). `sparsified` draws one mask per window (here
+# 1000 steps, as for an epoch of 1000 steps); a step's work does not depend
+# on how many coordinates the mask keeps.
 PRIVATIZERS = {
     'gaussian': lambda: privatizers.gaussian(1.0, 1.0),
     'dpdr': lambda: privatizers.dpdr(1.0, 1.0),
     'sparsified': lambda: privatizers.sparsified(
-        privatizers.gaussian(1.0, 1.0), 0.9, epochs=2, steps_per_epoch=1),
+        privatizers.gaussian(1.0, 1.0), 0.9, epochs=2, steps_per_epoch=1000),
     'd2p2': lambda: privatizers.d2p2(1.0),
     'gep': lambda: privatizers.gep(50, 1.0, 1.0, 1.0),
     'geodp': lambda: privatizers.geodp(1.0, 1.0),
