@@ -34,8 +34,8 @@ JACOBIAN_WARNING = (
     'the square of the batch size: at batch 250 a step of the tensorflow-'
     'privacy tutorial CNN measured 350 times a non-private step. Train '
     'tfdpx.keras.make_private(model) instead: the same optimizer, per-layer '
-    'per-example gradients in linear time (3 to 5 times a non-private step '
-    'on that CNN; see docs/migration.md).')
+    'per-example statistics in linear time (2 times a non-private step '
+    'on that CNN; see benchmarks/README.md).')
 
 NO_MODEL_WARNING = (
     'tfdpx: this optimizer was not called from the train step of the Keras '
