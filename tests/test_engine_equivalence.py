@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tfdpx
 from tests.privatizers.cases import CASES
 from tfdpx import gradients
+from tfdpx.forms import dense as dense_forms
 from tfdpx.keras import recorder
 
 L = tf.keras.layers
@@ -89,3 +91,25 @@ def test_the_engine_releases_what_materialized_gradients_release(problem,
                                          public_grads=public_grads)
       outs.append([o.numpy() for o in out])
     assert _relative_error(*outs) <= 1e-5, step
+
+
+@pytest.mark.parametrize('name', ['gaussian', 'dpdr', 'sparsified(gaussian)',
+                                  'd2p2_srht_mode_o', 'geodp_sound'])
+def test_training_never_forms_per_example_gradients_of_dense_layers(
+    name, monkeypatch):
+  # Before, the optimizer handed every privatizer the materialized gradients.
+  case = next(c for c in CASES if c.name == name)
+
+  def refuse(self):
+    raise AssertionError('a Dense layer formed its per-example gradients')
+
+  monkeypatch.setattr(dense_forms.ProductUnit, 'materialized', refuse)
+  model = tfdpx.keras.make_private(tf.keras.Sequential([
+      tf.keras.Input((7,)), L.Dense(8, activation='relu'), L.Dense(2)]))
+  model.compile(
+      tfdpx.keras.DPSGD(privatizer=case.make(1.0, 1.0), expected_batch_size=4,
+                        learning_rate=0.1),
+      tf.keras.losses.MeanSquaredError(reduction='none'))
+  rng = np.random.default_rng(0)
+  model.fit(rng.normal(size=(8, 7)), rng.normal(size=(8, 2)), batch_size=4,
+            verbose=0)
