@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import pytest
+import scipy.stats
 import tensorflow as tf
 
 import tfdpx
@@ -335,3 +336,46 @@ def test_auto_clipped_dpsgd_costs_what_dpsgd_costs():
          for p in (tfdpx.privatizers.d2p2(1.1, projection='none'), tfdpx.privatizers.d2p2(1.1),
                    tfdpx.privatizers.gaussian(1.0, 1.1))]
   assert eps[0] == eps[1] == eps[2]
+
+
+@pytest.mark.parametrize('bits', [0, 1, 2, 5, 6, 13])
+def test_feistel_permutation_is_a_bijection(bits):
+  everything = tf.range(1 << bits, dtype=tf.int32)
+  image = projections.feistel_permutation(everything, KEY, bits).numpy()
+  np.testing.assert_array_equal(np.sort(image), everything.numpy())
+  if bits >= 5:  # Not the identity, and another key permutes otherwise.
+    assert np.mean(image == everything.numpy()) < 0.2
+    other = projections.feistel_permutation(
+        everything, tf.constant([7, 7], tf.int64), bits).numpy()
+    assert np.mean(image == other) < 0.2
+
+
+def test_srht_rows_are_uniform_over_keys():
+  # Each of the d' rows is chosen with probability p / d' under a fresh key:
+  # the counts over many keys must fit that binomial, two-sided.
+  d, p, keys = 64, 16, 2000
+  draw = tf.function(lambda key: projections.srht_parts(key, d, p)[1])
+  counts = np.zeros(d)
+  for k in range(keys):
+    rows = draw(tf.constant([k, 1], tf.int64)).numpy()
+    assert len(set(rows)) == p and rows.min() >= 0 and rows.max() < d
+    counts[rows] += 1
+  expected = keys * p / d
+  chi2 = np.sum((counts - expected)**2 / (expected * (1 - p / d)))
+  assert scipy.stats.chi2.sf(chi2, d - 1) > 1e-6
+  # Pairs of rows are chosen together as often as without replacement says.
+  together = np.zeros((d, d))
+  for k in range(300):
+    rows = draw(tf.constant([k, 2], tf.int64)).numpy()
+    together[np.ix_(rows, rows)] += 1
+  off = together[~np.eye(d, dtype=bool)] / 300
+  assert abs(off.mean() - p * (p - 1) / (d * (d - 1))) < 0.01
+
+
+def test_srht_parts_agree_under_xla():
+  d, p = 1000, 300
+  eager = projections.srht_parts(KEY, d, p)
+  compiled = tf.function(lambda k: projections.srht_parts(k, d, p),
+                         jit_compile=True)(KEY)
+  for a, b in zip(eager, compiled):
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
