@@ -1,6 +1,7 @@
 """GEP's mathematics and accounting (spec gep.md §6)."""
 
 import math
+import sys
 
 import dp_accounting
 import numpy as np
@@ -476,3 +477,22 @@ def test_calibrated_gep_sigma_is_sqrt2_times_dp_sgd_sigma():
   assert per_part == pytest.approx(2.0641, abs=2e-3)
   assert tfdpx.accounting.epsilon(
       privatizers.gep(100, 5.0, 2.0, gep), **kwargs) <= 8.0
+
+
+def test_residual_clip_holds_even_for_a_basis_that_is_not_orthonormal(
+    monkeypatch):
+  # Dependent anchors can leave a basis whose columns are not orthonormal;
+  # the residual's norm must then still be that of g - B B^T g, so its clip
+  # holds whatever the basis (a norm taken as |g|^2 - |B^T g|^2 would not).
+  module = sys.modules[privatizers.GEP.__module__]
+  orthonormalize = module._orthonormalize  # pylint: disable=protected-access
+  monkeypatch.setattr(
+      module, '_orthonormalize',
+      lambda x: orthonormalize(x) * tf.linspace(0.3, 1.7, x.shape[-1]))
+  rng = np.random.default_rng(3)
+  grads, public = _low_rank_problem(rank=5, seed=8)
+  one = [tf.constant(100 * rng.normal(size=(1,) + s), tf.float32)
+         for s in SHAPES]
+  privatizer = privatizers.gep(60, 1e-9, 1.0, 0.0, groups=[[0], [1], [2]])
+  out, _ = privatizer.update(one, {}, KEY, public_grads=public)
+  assert np.linalg.norm(_flat([o[np.newaxis] for o in out])) <= 1.0 + 1e-5

@@ -100,6 +100,12 @@ def _gather(flat: Sequence[tf.Tensor], segments: Sequence[Segment]
   return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=1)
 
 
+def _split_rows(matrix: tf.Tensor, segments: Sequence[Segment]
+               ) -> List[tf.Tensor]:
+  """The rows of a `[p_j, ...]` group matrix that belong to each segment."""
+  return tf.split(matrix, [stop - start for _, start, stop in segments])
+
+
 def _scatter(group_vectors: Sequence[tf.Tensor],
              segments: Sequence[Sequence[Segment]],
              shapes: Sequence[tf.TensorShape]) -> List[tf.Tensor]:
@@ -118,16 +124,43 @@ def _scatter(group_vectors: Sequence[tf.Tensor],
   return out
 
 
-def _orthonormalize(matrix: tf.Tensor) -> tf.Tensor:
-  """Orthonormal columns spanning `matrix`'s columns (Householder QR).
+# Passes of shifted Cholesky QR (`_orthonormalize`): the first brings any
+# basis close to orthonormal, the next two make it orthonormal to float32
+# rounding (Fukaya et al., "Shifted Cholesky QR", SIAM J. Sci. Comput. 2020).
+CHOLESKY_QR_PASSES = 3
 
-  Each column's sign is fixed so that `R` has a non-negative diagonal: the QR
-  factor is then unique for a full-rank input, and eager and XLA kernels (whose
-  Householder signs differ) give the same basis, hence the same noise.
+
+def _orthonormalize(matrix: tf.Tensor) -> tf.Tensor:
+  """Orthonormal columns spanning `matrix`'s columns, as in its QR factor.
+
+  `Q = X R^-1` with `R^T R = X^T X + s I` (Cholesky of the float64 Gram
+  matrix, a small shift `s` keeping it positive definite), three times. For a
+  full-rank `X` this is the QR factor whose `R` has a positive diagonal,
+  unique, so eager and XLA kernels give the same basis; it costs two
+  `[p, k] x [k, k]` products per pass, where TensorFlow's Householder QR of a
+  tall matrix is about five times slower. A rank-deficient `X` (dependent
+  anchors) can leave columns that are not orthonormal: `update` never relies
+  on orthonormality for privacy (the residual norm uses `B^T B`).
   """
-  q, r = tf.linalg.qr(matrix)
-  signs = tf.where(tf.linalg.diag_part(r) < 0, -1.0, 1.0)
-  return q * tf.cast(signs, q.dtype)[tf.newaxis, :]
+  k = matrix.shape[-1]
+  eye = tf.eye(k, dtype=tf.float64)
+  q = matrix
+  for _ in range(CHOLESKY_QR_PASSES):
+    q64 = tf.cast(q, tf.float64)
+    gram = tf.matmul(q64, q64, transpose_a=True)
+    # The shift dominates float64 rounding of the Gram matrix; its floor keeps
+    # an all-zero matrix at zero (R^-1 stays finite in float32).
+    shift = 1e-13 * tf.linalg.trace(gram) + 1e-30
+    lower = tf.linalg.cholesky(gram + shift * eye)  # R = lower^T.
+    inverse = tf.linalg.triangular_solve(lower, eye, lower=True)
+    q = tf.matmul(q, tf.cast(inverse, q.dtype), transpose_b=True)
+  return q
+
+
+def _gram(basis: tf.Tensor) -> tf.Tensor:
+  """`B^T B` (`[k, k]`, float32) of a `[p, k]` basis, summed in float64."""
+  basis = tf.cast(basis, tf.float64)
+  return tf.cast(tf.matmul(basis, basis, transpose_a=True), tf.float32)
 
 
 def _flat(per_example: Sequence[tf.Tensor]) -> List[tf.Tensor]:
@@ -397,17 +430,21 @@ class GEP(core.Privatizer):
           f'clamped to {ks} (spec §5.2 A6)')
     bases = []
     for j, (group, size, k) in enumerate(zip(segments, sizes, ks)):
-      anchors = _gather(flat, group)
-      dtype = anchors.dtype
+      dtype = flat[group[0][0]].dtype
       start = noise.substream(seed, f'gep/basis/{j}')
       omega = tf.cast(noise.standard_normal([size, k], start), dtype)
       for _ in range(self._power_iterations):
-        # (A^T A) Omega, then orthonormal columns (spec §1.4).
-        omega = tf.matmul(anchors, tf.matmul(anchors, omega), transpose_a=True)
-        omega = _orthonormalize(omega)
-      # Zero-safe: all-zero anchors give no subspace (spec §5.2 A5).
-      nonzero = tf.cast(tf.reduce_any(tf.not_equal(anchors, 0)), dtype)
-      bases.append(omega * nonzero)
+        # (A^T A) Omega, then orthonormal columns (spec §1.4); A's columns are
+        # the group's segments, never copied into one [m, p_j] matrix.
+        pieces = _split_rows(omega, group)
+        projected = tf.add_n([tf.matmul(flat[v][:, a:b], piece)
+                              for (v, a, b), piece in zip(group, pieces)])
+        omega = _orthonormalize(tf.concat(
+            [tf.matmul(flat[v][:, a:b], projected, transpose_a=True)
+             for v, a, b in group], axis=0))
+      # All-zero anchors give an all-zero basis, no subspace (spec §5.2 A5):
+      # A^T A Omega is then exactly zero and so is its orthonormalization.
+      bases.append(omega)
     return bases
 
   def decompose(self, per_example_grads: Sequence[tf.Tensor],
@@ -460,12 +497,15 @@ class GEP(core.Privatizer):
     out = [tf.linalg.matvec(basis, tf.cast(w, basis.dtype))
            for basis, w in zip(bases, noisy_embedding)]
     if not self._biased:
-      # The residual r = g - B B^T g is never formed: the columns of B are
-      # orthonormal (or B is zero), so |r|^2 = |g|^2 - |B^T g|^2, and the
+      # The residual r = g - B w (w = B^T g, the unclipped embedding, spec
+      # §5.2 A4) is never formed: |r|^2 = |g|^2 - 2 |w|^2 + w^T (B^T B) w,
+      # exact whether or not B's columns came out orthonormal, and the
       # clipped sum of r is the weighted sum of g minus B times the weighted
-      # sum of the embeddings (from the unclipped embedding, spec §5.2 A4).
+      # sum of the embeddings.
       sq_norms = gradients.global_sq_norms(grads)
-      residual_sq = sq_norms - tf.square(embedding_norms)
+      residual_sq = sq_norms - 2.0 * tf.square(embedding_norms) + tf.add_n([
+          tf.reduce_sum(w * tf.matmul(w, _gram(basis)), axis=1)
+          for w, basis in zip(embeddings, bases)])
       factors = clipping.bound_for_subtraction(
           clipping.clip_factor(tf.sqrt(tf.maximum(residual_sq, 0.0)),
                                self._s2),
