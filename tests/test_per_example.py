@@ -184,6 +184,10 @@ def _check_statistics(grads, expected, seed=0):
   for got, want in zip(grads.weighted_sum(tf.constant(weights)), expected):
     np.testing.assert_allclose(got.numpy(), np.tensordot(weights, want, 1),
                                **close)
+  columns = rng.normal(size=(BATCH, 2)).astype('float32')
+  for got, want in zip(grads.weighted_sums(tf.constant(columns)), expected):
+    np.testing.assert_allclose(got.numpy(),
+                               np.tensordot(columns, want, [[0], [0]]), **close)
   for got, want in zip(grads.materialized(), expected):
     np.testing.assert_allclose(got.numpy(), want, **close)
 

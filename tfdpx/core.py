@@ -58,7 +58,7 @@ class Privatizer(abc.ABC):
       state: State,
       seed: tf.Tensor,
       *,
-      public_grads: Optional[Sequence[tf.Tensor]] = None,
+      public_grads: Optional[PerExampleGradientsLike] = None,
   ) -> Tuple[List[tf.Tensor], State]:
     """Privatizes one batch.
 
@@ -74,7 +74,8 @@ class Privatizer(abc.ABC):
         turns either into the former).
       state: the state returned by `init` or by the previous `update`.
       seed: int64 tensor of shape `[2]`, the key of every random draw.
-      public_grads: per-example gradients of public data, same layout, for
+      public_grads: per-example gradients of public data, same layout and
+        either form (a model made private hands its engine's lazy value), for
         privatizers with `requires_public_grads`.
 
     Returns:

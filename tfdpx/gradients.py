@@ -89,6 +89,19 @@ class PerExampleGradients(abc.ABC):
   def materialized(self) -> List[tf.Tensor]:
     """`g_iv` itself: one `[B, *shape]` tensor per variable (escape hatch)."""
 
+  def weighted_sums(self, weights: tf.Tensor) -> List[tf.Tensor]:
+    """`sum_i w_ic g_iv` for each column c of `weights` (float32 `[B, K]`).
+
+    One `weighted_sum` per column (K static), so nothing larger than the
+    result is formed.
+
+    Returns:
+      Per variable, a `[K, *shape]` tensor.
+    """
+    columns = tf.unstack(tf.convert_to_tensor(weights), axis=1)
+    return [tf.stack(sums) for sums in
+            zip(*[self.weighted_sum(w) for w in columns])]
+
   def masked(self, masks: Sequence[tf.Tensor]) -> 'PerExampleGradients':
     """The gradients `m_v * g_iv`, for data-independent masks `m_v`."""
     return MaskedGradients(self, masks)
@@ -143,6 +156,10 @@ class MaterializedGradients(PerExampleGradients):
 
   def weighted_sum(self, weights):
     return [tf.tensordot(tf.cast(weights, g.dtype), g, axes=1)
+            for g in self._grads]
+
+  def weighted_sums(self, weights):
+    return [tf.tensordot(tf.cast(weights, g.dtype), g, axes=[[0], [0]])
             for g in self._grads]
 
   def materialized(self):

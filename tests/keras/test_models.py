@@ -217,13 +217,13 @@ class _PublicSum(core.Privatizer):
 
   def update(self, per_example_grads, state, seed, *, public_grads=None):
     del per_example_grads, seed
-    return [tf.reduce_sum(g, axis=0) for g in public_grads], state
+    return [tf.reduce_sum(g, axis=0) for g in public_grads.materialized()], state
 
   def dp_event(self, step):
     return dp_accounting.NonPrivateDpEvent()
 
 
-def test_public_data_reaches_the_privatizer_unclipped_in_chunks():
+def test_public_data_reaches_the_privatizer_unclipped():
   x, y = _data()
   x_public, y_public = _data(n=7, seed=1)
   reference = _cnn()

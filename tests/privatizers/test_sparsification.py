@@ -291,7 +291,7 @@ def test_wraps_public_gradients_with_the_same_mask():
     requires_public_grads = True
 
     def update(self, per_example_grads, state, seed, *, public_grads=None):
-      return list(public_grads), state
+      return public_grads.materialized(), state
 
   wrapper = privatizers.sparsified(_PublicEcho(), 0.5, 2, 1)
   assert wrapper.requires_public_grads

@@ -273,11 +273,6 @@ class _PrivateTraining:
     return logs
 
   def _privatize(self, optimizer, grads, var_list):
-    if not self._dp_fast_clipping:
-      # Every per-example gradient formed, for comparisons.
-      grads = gradients.MaterializedGradients(grads.materialized())
-    num_examples = grads.batch_size()
-    records = per_example.microbatched(grads, optimizer._num_microbatches)  # pylint: disable=protected-access
     public_grads = None
     if self._dp_public_data is not None:
       x_public, y_public = self._dp_public_data
@@ -285,6 +280,14 @@ class _PrivateTraining:
           self, x_public, y_public,
           lambda y_true, outputs: per_example_loss(self, y_true, outputs),
           var_list, self._dp_public_chunk_size, self._dp_use_layer_rules)
+    if not self._dp_fast_clipping:
+      # Every per-example gradient formed, for comparisons.
+      grads = gradients.MaterializedGradients(grads.materialized())
+      if public_grads is not None:
+        public_grads = gradients.MaterializedGradients(
+            public_grads.materialized())
+    num_examples = grads.batch_size()
+    records = per_example.microbatched(grads, optimizer._num_microbatches)  # pylint: disable=protected-access
     return optimizer.privatize(records, var_list, public_grads=public_grads,
                                num_examples=num_examples)
 
@@ -429,13 +432,14 @@ class DPModel(_PrivateTraining, tf.keras.Model):
       layer_registry: accepted for tensorflow-privacy's signature and not
         used: tfdpx picks its per-layer rules itself (`fast_clipping`).
       chunk_size: examples per `tf.vectorized_map` call of the fallback (and
-        public examples per engine pass); bounds memory for large batches.
-      public_data: optional `(x_public, y_public)`; each step then also
-        computes the per-example gradients of all public examples (in chunks
-        of `public_chunk_size`) and passes them to `privatize` as
-        `public_grads`, for privatizers that need them (GEP). Public data is
-        never clipped or noised and costs no privacy.
-      public_chunk_size: public examples per engine pass (default
+        per chunk where per-example gradients are formed); bounds memory for
+        large batches.
+      public_data: optional `(x_public, y_public)`; each step then also runs
+        the engine over all public examples and passes its per-example
+        gradients (the lazy value, asked for dots and weighted sums) to
+        `privatize` as `public_grads`, for privatizers that need them (GEP).
+        Public data is never clipped or noised and costs no privacy.
+      public_chunk_size: the `chunk_size` of the public pass (default
         `chunk_size`).
       use_layer_rules: False sends every layer to the vectorized fallback (for
         comparisons; slower).

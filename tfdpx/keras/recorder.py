@@ -26,8 +26,8 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 import tensorflow as tf
 
 from tfdpx import clipping
+from tfdpx import gradients
 from tfdpx import per_example
-from tfdpx.forms import chunks
 from tfdpx.forms import materialized as materialized_forms
 from tfdpx.forms import unit as unit_lib
 from tfdpx.keras import layer_rules
@@ -525,8 +525,13 @@ def public_gradients(model: tf.keras.Model, inputs: Any, targets: Any,
                      per_example_loss: Callable[[Any, Any], tf.Tensor],
                      var_list: Sequence[tf.Variable],
                      chunk_size: int,
-                     use_rules: bool = True) -> List[tf.Tensor]:
-  """Per-example gradients of public examples, computed in chunks.
+                     use_rules: bool = True
+                    ) -> gradients.PerExampleGradients:
+  """Per-example gradients of public examples, as the engine's lazy value.
+
+  One pass over all public examples; like the private batch's, the value
+  answers dots and weighted sums per layer, so the `[m, *var.shape]` tensors
+  are formed only for layers without a cheaper form (and then in chunks).
 
   Args:
     model: the model.
@@ -534,23 +539,14 @@ def public_gradients(model: tf.keras.Model, inputs: Any, targets: Any,
     targets: the public targets.
     per_example_loss: `per_example_loss(targets, outputs) -> [B]`.
     var_list: the variables to differentiate.
-    chunk_size: public examples per pass of the engine.
+    chunk_size: examples per chunk where per-example gradients are formed.
     use_rules: as in `model_gradients`.
 
   Returns:
-    One `[num_public, *var.shape]` tensor per variable. Never clipped or
-    noised: public data costs no privacy.
+    A `tfdpx.gradients.PerExampleGradients`. Never clipped or noised: public
+    data costs no privacy.
   """
-  structure = (inputs, targets)
-  flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(structure)]
-
-  def chunk_grads(chunk):
-    chunk_inputs, chunk_targets = tf.nest.pack_sequence_as(structure, chunk)
-    result = model_gradients(
-        model, chunk_inputs,
-        lambda outputs: per_example_loss(chunk_targets, outputs), var_list,
-        chunk_size, use_rules)
-    return result.grads.materialized()
-
-  signature = [tf.TensorSpec(v.shape, v.dtype) for v in var_list]
-  return chunks.map_rows(chunk_grads, flat, chunk_size, signature)
+  targets = tf.nest.map_structure(tf.convert_to_tensor, targets)
+  return model_gradients(
+      model, inputs, lambda outputs: per_example_loss(targets, outputs),
+      var_list, chunk_size, use_rules).grads

@@ -100,12 +100,6 @@ def _gather(flat: Sequence[tf.Tensor], segments: Sequence[Segment]
   return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=1)
 
 
-def _split_rows(matrix: tf.Tensor, segments: Sequence[Segment]
-               ) -> List[tf.Tensor]:
-  """The rows of a `[p_j, ...]` group matrix that belong to each segment."""
-  return tf.split(matrix, [stop - start for _, start, stop in segments])
-
-
 def _scatter(group_vectors: Sequence[tf.Tensor],
              segments: Sequence[Sequence[Segment]],
              shapes: Sequence[tf.TensorShape]) -> List[tf.Tensor]:
@@ -182,9 +176,11 @@ class GEP(core.Privatizer):
   the output is `w~ B + r~` (GEP) or `w~ B` (B-GEP, `biased=True`; the residual
   is then neither computed nor released).
 
-  The public gradients arrive as `public_grads` in `update` (same layout as
-  the private ones: one `[m, *var.shape]` tensor per variable). The basis
-  depends only on them and on a public random stream of the step's seed.
+  The public gradients arrive as `public_grads` in `update`: a
+  `tfdpx.gradients.PerExampleGradients` with the private ones' layout (or one
+  `[m, *var.shape]` tensor per variable), asked only for dots and weighted
+  sums. The basis depends only on them and on a public random stream of the
+  step's seed.
 
   Privacy:
     Each example's embedding is clipped to global L2 norm S1 and its residual
@@ -400,12 +396,13 @@ class GEP(core.Privatizer):
     sizes = [int(s.num_elements()) for s in shapes]
     return _group_segments(sizes, self._num_groups, self._groups)
 
-  def bases(self, public_grads: Sequence[tf.Tensor],
-            seed: tf.Tensor) -> List[tf.Tensor]:
+  def bases(self, public_grads, seed: tf.Tensor) -> List[tf.Tensor]:
     """The orthonormal basis of each group, from public data only.
 
     Args:
-      public_grads: one `[m, *var.shape]` tensor per variable (anchors).
+      public_grads: the anchors' per-example gradients: a
+        `tfdpx.gradients.PerExampleGradients` (a model made private hands its
+        engine's) or one `[m, *var.shape]` tensor per variable.
       seed: the step's int64 `[2]` seed; the power method's Gaussian start of
         group j comes from its public substream "gep/basis/j", never from a
         noise stream.
@@ -415,10 +412,9 @@ class GEP(core.Privatizer):
       or all zeros for a group whose anchor gradients are all zero (that group
       is then residual-only).
     """
-    shapes = [g.shape[1:] for g in public_grads]
-    segments = self._segments(shapes)
-    flat = _flat(public_grads)
-    num_public = public_grads[0].shape[0]
+    public = gradients.as_per_example_gradients(public_grads)
+    segments = self._segments(public.shapes)
+    num_public = tf.get_static_value(public.batch_size())
     sizes = [sum(stop - start for _, start, stop in group)
              for group in segments]
     ks = allocate_bases(sizes, self._num_bases, num_public)
@@ -428,24 +424,40 @@ class GEP(core.Privatizer):
           f'GEP: {num_public} anchor gradients cannot span more than '
           f'{num_public} directions per group; basis sizes {requested} are '
           f'clamped to {ks} (spec §5.2 A6)')
-    bases = []
-    for j, (group, size, k) in enumerate(zip(segments, sizes, ks)):
-      dtype = flat[group[0][0]].dtype
-      start = noise.substream(seed, f'gep/basis/{j}')
-      omega = tf.cast(noise.standard_normal([size, k], start), dtype)
-      for _ in range(self._power_iterations):
-        # (A^T A) Omega, then orthonormal columns (spec §1.4); A's columns are
-        # the group's segments, never copied into one [m, p_j] matrix.
-        pieces = _split_rows(omega, group)
-        projected = tf.add_n([tf.matmul(flat[v][:, a:b], piece)
-                              for (v, a, b), piece in zip(group, pieces)])
-        omega = _orthonormalize(tf.concat(
-            [tf.matmul(flat[v][:, a:b], projected, transpose_a=True)
-             for v, a, b in group], axis=0))
-      # All-zero anchors give an all-zero basis, no subspace (spec §5.2 A5):
-      # A^T A Omega is then exactly zero and so is its orthonormalization.
-      bases.append(omega)
-    return bases
+    omegas = [
+        tf.cast(noise.standard_normal(
+            [size, k], noise.substream(seed, f'gep/basis/{j}')),
+                public.dtypes[group[0][0]])
+        for j, (group, size, k) in enumerate(zip(segments, sizes, ks))]
+    for _ in range(self._power_iterations):
+      # (A^T A) Omega, then orthonormal columns (spec §1.4). A Omega are the
+      # anchors' dots with Omega's columns and A^T Y weighted sums of the
+      # anchors: no [m, p_j] anchor matrix is formed. All-zero anchors give
+      # an all-zero basis, no subspace (spec §5.2 A5).
+      projected = self._embeddings(public, omegas, segments)
+      omegas = [_orthonormalize(x)
+                for x in self._anchor_sums(public, projected, segments)]
+    return omegas
+
+  def _anchor_sums(self, public: gradients.PerExampleGradients,
+                   weights: Sequence[tf.Tensor],
+                   segments: Sequence[Sequence[Segment]]) -> List[tf.Tensor]:
+    """`A_j^T Y_j` (`[p_j, k_j]`) for each group's `Y_j` (`[m, k_j]`).
+
+    One batch of weighted sums for all groups' columns together; each group
+    keeps its own columns over its own segments.
+    """
+    sums = [tf.reshape(s, [s.shape[0], -1])
+            for s in public.weighted_sums(tf.concat(weights, axis=1))]
+    out, column = [], 0
+    for group, w in zip(segments, weights):
+      k = w.shape[1]
+      dtype = sums[group[0][0]].dtype
+      out.append(tf.concat(
+          [tf.transpose(tf.cast(sums[v][column:column + k, a:b], dtype))
+           for v, a, b in group], axis=0))
+      column += k
+    return out
 
   def decompose(self, per_example_grads: Sequence[tf.Tensor],
                 bases: Sequence[tf.Tensor], *, residuals: bool = True
@@ -478,15 +490,14 @@ class GEP(core.Privatizer):
     if public_grads is None:
       raise ValueError(NO_PUBLIC_DATA_HELP)
     grads = gradients.as_per_example_gradients(per_example_grads)
-    public_grads = [tf.convert_to_tensor(g) for g in public_grads]
+    public = gradients.as_per_example_gradients(public_grads)
     shapes = grads.shapes
-    if (len(public_grads) != len(shapes) or
-        any(a.shape[1:] != b for a, b in zip(public_grads, shapes))):
+    if public.shapes != shapes:
       raise ValueError(
           'public_grads must have the layout of the private per-example '
           'gradients: one [m, *var.shape] tensor per variable')
     segments = self._segments(shapes)
-    bases = self.bases(public_grads, seed)
+    bases = self.bases(public, seed)
     embeddings = self._embeddings(grads, bases, segments)
     # One global clip per part, over all groups (spec §5.2 A3).
     embedding_factors, embedding_norms = clipping.clip_factors(embeddings,

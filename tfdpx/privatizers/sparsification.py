@@ -280,7 +280,8 @@ class Sparsified(core.Privatizer):
     if public_grads is not None:
       # The inner step then works inside the kept coordinates throughout
       # (e.g. GEP's public subspace). Public data costs no privacy.
-      public_grads = apply(public_grads)
+      public_grads = gradients.as_per_example_gradients(public_grads).masked(
+          masks)
     noisy_sum, inner_state = self._inner.update(
         grads.masked(masks), state['inner'], seed,
         public_grads=public_grads)
