@@ -1,8 +1,9 @@
 """Sums over the batch and Gaussian noise: the only place tfdpx draws noise.
 
-All draws come from stateless Philox bits keyed by the step's seed, a named
-stream and the variable index, so a privatizer stays a pure function and two
-releases of one step never share a draw.
+All draws come from stateless Philox bits keyed by the step's seed and a
+named stream (one draw per release, split over the variables), so a
+privatizer stays a pure function and two releases of one step never share a
+draw.
 
 Under a `tf.distribute` strategy every replica sums its own examples, the sums
 are all-reduced (`batch_sum`), and every replica then draws the same noise from
@@ -100,20 +101,23 @@ def gaussian_like(
 ) -> List[tf.Tensor]:
   """Independent N(0, stddev^2) noise shaped like each tensor in `tensors`.
 
+  One draw of all the coordinates from `seed`, split per tensor (one random
+  op per release, not one per variable).
+
   Args:
     tensors: tensors whose shape and dtype the noise takes.
     stddev: standard deviation (Python number or scalar tensor).
-    seed: int64 `[2]` seed; tensor `i` uses `fold_in(seed, i)`.
+    seed: int64 `[2]` seed of this release.
 
   Returns:
     One noise tensor per input.
   """
-  noise = []
-  for i, t in enumerate(tensors):
-    key = tf.random.experimental.stateless_fold_in(seed, i, alg=_ALG)
-    draw = standard_normal(tf.shape(t), key) * _float64(stddev)
-    noise.append(tf.cast(draw, t.dtype))
-  return noise
+  tensors = [tf.convert_to_tensor(t) for t in tensors]
+  sizes = [tf.size(t) for t in tensors]
+  draws = tf.split(standard_normal(tf.reshape(tf.add_n(sizes), [1]), seed) *
+                   _float64(stddev), tf.stack(sizes), num=len(tensors))
+  return [tf.cast(tf.reshape(d, tf.shape(t)), t.dtype)
+          for d, t in zip(draws, tensors)]
 
 
 def replica_sum(sums: Sequence[tf.Tensor]) -> List[tf.Tensor]:

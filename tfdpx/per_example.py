@@ -24,6 +24,12 @@ from tfdpx import clipping
 from tfdpx import gradients
 from tfdpx.forms import unit as unit_lib
 
+# `weighted_sums` of a layer whose per-example gradient has at most this many
+# entries: one contraction of its materialized gradients (formed once, B times
+# this size); of a larger layer, one weighted sum (a backward-like pass) per
+# column, never its per-example gradients.
+SMALL_UNIT_SIZE = 16384
+
 SCALAR_LOSS_HELP = (
     'tfdpx optimizers need one loss per example, but the loss is a scalar. '
     'Compile with an unreduced loss, e.g. '
@@ -250,6 +256,29 @@ class UnitGradients(gradients.PerExampleGradients):
 
     sums = self._collect(lambda unit, wanted: unit.weighted_sum(weights, keep),
                          of_shared, lambda i: tf.zeros_like(self._vars[i]))
+    return [tf.cast(s, v.dtype) for s, v in zip(sums, self._vars)]
+
+  def weighted_sums(self, weights):
+    keep = self._keep_rows()
+    weights = tf.where(keep[:, tf.newaxis], tf.cast(weights, tf.float32), 0.0)
+    columns = tf.unstack(weights, axis=1)
+
+    def contraction(g):
+      return tf.tensordot(tf.cast(weights, g.dtype), clipping.zero_rows(g, keep),
+                          axes=[[0], [0]])
+
+    def of_unit(unit, wanted):
+      del wanted
+      size = sum(v.shape.num_elements() for v in unit.variables)
+      if size <= SMALL_UNIT_SIZE:
+        return [contraction(g) for g in unit.materialized()]
+      return [tf.stack(sums) for sums in
+              zip(*[unit.weighted_sum(w, keep) for w in columns])]
+
+    def of_unread(i):
+      return tf.zeros([len(columns), *self._vars[i].shape], self._vars[i].dtype)
+
+    sums = self._collect(of_unit, lambda i, g: contraction(g), of_unread)
     return [tf.cast(s, v.dtype) for s, v in zip(sums, self._vars)]
 
   def materialized(self):

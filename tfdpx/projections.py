@@ -174,17 +174,18 @@ def feistel_permutation(indices, key, bits: int) -> tf.Tensor:
   low_bits = bits // 2
   high_bits = bits - low_bits
   low_mask, high_mask = (1 << low_bits) - 1, (1 << high_bits) - 1
+  # All rounds' tables from one draw (one op, not one per round: each random
+  # op is dozens of graph nodes).
+  tables = tf.cast(_bits([FEISTEL_ROUNDS, 1 << high_bits], key), tf.int32)
   high = tf.bitwise.right_shift(indices, low_bits)
   low = tf.bitwise.bitwise_and(indices, low_mask)
   for r in range(FEISTEL_ROUNDS):
-    if r % 2 == 0:  # high ^= T(low)
-      table = tf.cast(_bits([1 << low_bits], _fold(key, r)), tf.int32)
-      high = tf.bitwise.bitwise_xor(
-          high, tf.bitwise.bitwise_and(tf.gather(table, low), high_mask))
-    else:  # low ^= T(high)
-      table = tf.cast(_bits([1 << high_bits], _fold(key, r)), tf.int32)
-      low = tf.bitwise.bitwise_xor(
-          low, tf.bitwise.bitwise_and(tf.gather(table, high), low_mask))
+    if r % 2 == 0:  # high ^= T_r(low)
+      high = tf.bitwise.bitwise_xor(high, tf.bitwise.bitwise_and(
+          tf.gather(tables[r], low), high_mask))
+    else:  # low ^= T_r(high)
+      low = tf.bitwise.bitwise_xor(low, tf.bitwise.bitwise_and(
+          tf.gather(tables[r], high), low_mask))
   return tf.bitwise.bitwise_or(tf.bitwise.left_shift(high, low_bits), low)
 
 
@@ -194,7 +195,7 @@ def srht_parts(key, d: int, p: int):
   if p > dp:
     raise ValueError(f'cannot choose p={p} rows out of {dp}')
   signs = 1.0 - 2.0 * tf.cast(
-      tf.bitwise.bitwise_and(_bits([dp], _fold(key, 0)), 1), tf.float32)
+      tf.bitwise.bitwise_and(_bits([dp], key), 1), tf.float32)
   rows = feistel_permutation(tf.range(p, dtype=tf.int32), _fold(key, 1),
                              dp.bit_length() - 1)
   return signs, rows

@@ -242,7 +242,11 @@ def test_update_compiles_with_xla_at_a_realistic_size():
                          jit_compile=True)(grads, seed)
   for a, b in zip(eager, compiled):
     assert np.all(np.isfinite(b.numpy()))
-    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6)
+    # The noise agrees to float rounding (XLA's sin/cos differ in the last
+    # bit), which the spherical-to-Cartesian products amplify on the small
+    # coordinates: compare at the scale of the largest.
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4,
+                               atol=1e-4 * np.abs(a.numpy()).max())
 
 
 def test_constructor_validation():

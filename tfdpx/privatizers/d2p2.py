@@ -204,14 +204,24 @@ class D2P2(core.Privatizer):
     return projections.projected_dim(d, self._ratio) if self.projected(
         shape) else d
 
-  def projection_key(self, index: int, step) -> tf.Tensor:
-    """The public key of variable `index`'s projection at `step`."""
+  def projection_key(self, index: int, step, step_key=None) -> tf.Tensor:
+    """The public key of variable `index`'s projection at `step`.
+
+    `step_key`: `self.step_key(step)` if already derived (it is shared by
+    the variables of a step).
+    """
+    if step_key is None:
+      step_key = self.step_key(step)
+    return tf.random.experimental.stateless_fold_in(step_key, index,
+                                                    alg='philox')
+
+  def step_key(self, step) -> tf.Tensor:
+    """The public key of all the projections of `step`."""
     base = noise.substream(
         tf.constant([self._projection_seed, 0], tf.int64), 'd2p2/projection')
-    key = tf.random.experimental.stateless_fold_in(base, index, alg='philox')
     k = step if self._resample == 'every_step' else 0
     return tf.random.experimental.stateless_fold_in(
-        key, tf.cast(k, tf.int64), alg='philox')
+        base, tf.cast(k, tf.int64), alg='philox')
 
   def _gain_factor(self, d, p):
     if self._projection == 'gaussian':
@@ -231,13 +241,13 @@ class D2P2(core.Privatizer):
       out = projections.srht_backward(v, key, d, parts)
     return out * self._gain_factor(d, p)
 
-  def _srht_parts(self, index, shape, step):
+  def _srht_parts(self, key, shape):
     """The SRHT's signs and rows of one variable and step, drawn once for
     both directions; None without an SRHT projection of that variable."""
     if self._projection != 'srht' or not self.projected(shape):
       return None
-    return projections.srht_parts(self.projection_key(index, step),
-                                  math.prod(shape), self.projected_dim(shape))
+    return projections.srht_parts(key, math.prod(shape),
+                                  self.projected_dim(shape))
 
   def _check_shapes(self, shapes):
     if self.mode != 'C':
@@ -325,41 +335,38 @@ class D2P2(core.Privatizer):
     sums = noise.batch_sum(grads, clipping.normalize_factors(grads,
                                                              self._gamma))
     noise_seed = noise.substream(seed, 'd2p2/noise')
-    parts = [self._srht_parts(index, shape, step)
-             for index, shape in enumerate(shapes)]
+    # Each projected variable's key, derived once per step.
+    step_key = self.step_key(step)
+    keys = [self.projection_key(index, step, step_key)
+            if self.projected(shape) else None
+            for index, shape in enumerate(shapes)]
+    parts = [self._srht_parts(key, shape) for key, shape in zip(keys, shapes)]
     if self.mode in ('none', 'N'):
       # A DP-SGD release of sensitivity 1; the projections post-process it.
       released = noise.add_gaussian(sums, 1.0, z, noise_seed)
-      out = [self._round_trip(index, r, step, parts[index])
-             for index, r in enumerate(released)]
+      out = [self._back(key, self._project(key, r, part), shape, part)
+             for key, r, shape, part in zip(keys, released, shapes, parts)]
     else:
       delta = self.sensitivity(shapes, step)
-      projected = [self._project(index, s, step, parts[index])
-                   for index, s in enumerate(sums)]
+      projected = [self._project(key, s, part)
+                   for key, s, part in zip(keys, sums, parts)]
       noisy = [v + n for v, n in zip(
           projected, noise.gaussian_like(projected, z * delta, noise_seed))]
-      out = [self._back(index, v, shape, step, parts[index])
-             for index, (v, shape) in enumerate(zip(noisy, shapes))]
+      out = [self._back(key, v, shape, part)
+             for key, v, shape, part in zip(keys, noisy, shapes, parts)]
     return out, {'step': step + 1}
 
-  def _project(self, index, total, step, parts) -> tf.Tensor:
-    if not self.projected(total.shape):
+  def _project(self, key, total, parts) -> tf.Tensor:
+    if key is None:
       return total
     p = self.projected_dim(total.shape)
-    return self._forward(tf.reshape(total, [-1]),
-                         self.projection_key(index, step), p, parts)
+    return self._forward(tf.reshape(total, [-1]), key, p, parts)
 
-  def _back(self, index, v, shape, step, parts) -> tf.Tensor:
-    if not self.projected(shape):
+  def _back(self, key, v, shape, parts) -> tf.Tensor:
+    if key is None:
       return v
     d, p = math.prod(shape), self.projected_dim(shape)
-    out = self._backward(v, self.projection_key(index, step), d, p, parts)
-    return tf.reshape(out, shape)
-
-  def _round_trip(self, index, total, step, parts) -> tf.Tensor:
-    shape = tuple(total.shape)
-    return self._back(index, self._project(index, total, step, parts), shape,
-                      step, parts)
+    return tf.reshape(self._backward(v, key, d, p, parts), shape)
 
 
 def d2p2(noise_multiplier: float, **kwargs) -> D2P2:
