@@ -17,6 +17,7 @@ from tfdpx import clipping
 from tfdpx import core
 from tfdpx import gradients
 from tfdpx import noise
+from tfdpx import projections
 
 DEFAULT_NUM_GROUPS = 3  # The official code's `--num_groups` (spec §5.1 D1).
 
@@ -424,8 +425,10 @@ class GEP(core.Privatizer):
           f'GEP: {num_public} anchor gradients cannot span more than '
           f'{num_public} directions per group; basis sizes {requested} are '
           f'clamped to {ks} (spec §5.2 A6)')
+    # Public randomness: float32 Box-Muller suffices (no privacy rests on
+    # its tails), at half the memory of the noise sampler's float64.
     omegas = [
-        tf.cast(noise.standard_normal(
+        tf.cast(projections.standard_normal_f32(
             [size, k], noise.substream(seed, f'gep/basis/{j}')),
                 public.dtypes[group[0][0]])
         for j, (group, size, k) in enumerate(zip(segments, sizes, ks))]
@@ -444,19 +447,17 @@ class GEP(core.Privatizer):
                    segments: Sequence[Sequence[Segment]]) -> List[tf.Tensor]:
     """`A_j^T Y_j` (`[p_j, k_j]`) for each group's `Y_j` (`[m, k_j]`).
 
-    One batch of weighted sums for all groups' columns together; each group
-    keeps its own columns over its own segments.
+    Group by group (weighted sums of the whole variables, of which the group
+    keeps its segments), so one group's `k_j` sums are alive at a time.
     """
-    sums = [tf.reshape(s, [s.shape[0], -1])
-            for s in public.weighted_sums(tf.concat(weights, axis=1))]
-    out, column = [], 0
+    out = []
     for group, w in zip(segments, weights):
-      k = w.shape[1]
+      sums = public.weighted_sums(w)
       dtype = sums[group[0][0]].dtype
       out.append(tf.concat(
-          [tf.transpose(tf.cast(sums[v][column:column + k, a:b], dtype))
+          [tf.transpose(tf.cast(tf.reshape(sums[v], [w.shape[1], -1])[:, a:b],
+                                dtype))
            for v, a, b in group], axis=0))
-      column += k
     return out
 
   def decompose(self, per_example_grads: Sequence[tf.Tensor],
@@ -540,30 +541,23 @@ class GEP(core.Privatizer):
                   segments: Sequence[Sequence[Segment]]) -> List[tf.Tensor]:
     """`B_j^T g_j` per group, float32 `[B, k_j]`, from per-variable dots.
 
-    Each variable gets as directions the basis columns of the groups it
-    belongs to, restricted to its coordinates (zero elsewhere).
+    Group by group, each of its variables gets as directions the basis
+    columns restricted to its segment (zero elsewhere in the variable).
     """
     shapes = grads.shapes
-    columns = [[] for _ in shapes]  # Per variable: (group, [k_j, size_v]).
-    for j, (group, basis) in enumerate(zip(segments, bases)):
+    embeddings = []
+    for group, basis in zip(segments, bases):
+      directions = [None] * len(shapes)
       offset = 0
       for v, start, stop in group:
         rows = tf.transpose(basis[offset:offset + stop - start])
         size = int(shapes[v].num_elements())
-        columns[v].append((j, tf.pad(rows, [[0, 0], [start, size - stop]])))
+        directions[v] = tf.reshape(
+            tf.pad(rows, [[0, 0], [start, size - stop]]), [-1, *shapes[v]])
         offset += stop - start
-    directions = [
-        tf.reshape(tf.concat([c for _, c in items], axis=0),
-                   [-1, *shapes[v]]) if items else None
-        for v, items in enumerate(columns)]
-    embeddings = [0.0] * len(bases)
-    for items, dots in zip(columns, grads.dots(directions)):
-      offset = 0
-      for j, c in items:
-        k = c.shape[0]
-        embeddings[j] += dots[:, offset:offset + k]
-        offset += k
-    return [tf.convert_to_tensor(e) for e in embeddings]
+      embeddings.append(tf.add_n(
+          [d for d in grads.dots(directions) if d is not None]))
+    return embeddings
 
   def dp_event(self, step):
     del step  # Every step costs the same.
