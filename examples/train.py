@@ -97,6 +97,11 @@ flags.DEFINE_float('target_epsilon', None,
                    'Privacy budget: training stops before epsilon would '
                    'exceed it (and it calibrates an unset --noise_multiplier).')
 flags.DEFINE_float('delta', 1e-5, 'Target delta.')
+flags.DEFINE_enum('accountant', 'rdp', ['rdp', 'pld'],
+                  'Privacy accountant for every epsilon (calibration, '
+                  'callbacks, statement): rdp (as tensorflow-privacy) or pld '
+                  '(privacy loss distributions: tighter, so less noise for '
+                  'the same epsilon).')
 flags.DEFINE_enum('sampling', 'poisson', ['poisson', 'shuffle'],
                   'Poisson sampling (fixed-shape masked batches, fresh each '
                   'epoch; epsilon with amplification by sampling), or '
@@ -228,7 +233,7 @@ def run(argv=None):
   if noise_multiplier is None:
     noise_multiplier = tfdpx.accounting.calibrate_noise_multiplier(
         FLAGS.target_epsilon, build_privatizer(1.0, steps_per_epoch),
-        steps=steps, delta=FLAGS.delta,
+        steps=steps, delta=FLAGS.delta, accountant=FLAGS.accountant,
         **{k: v for k, v in accounted.items() if k != 'sampling'})
   privatizer = build_privatizer(noise_multiplier, steps_per_epoch)
 
@@ -262,10 +267,12 @@ def run(argv=None):
       # restored when they are created.
       checkpoint.restore(manager.latest_checkpoint).expect_partial()
 
-  callbacks = [tfdpx.keras.PrivacyCallback(delta=FLAGS.delta, **accounted)]
+  callbacks = [tfdpx.keras.PrivacyCallback(
+      delta=FLAGS.delta, accountant=FLAGS.accountant, **accounted)]
   if FLAGS.target_epsilon is not None:
     callbacks.append(tfdpx.keras.EpsilonBudget(
-        FLAGS.target_epsilon, delta=FLAGS.delta, **accounted))
+        FLAGS.target_epsilon, delta=FLAGS.delta, accountant=FLAGS.accountant,
+        **accounted))
   history = []
   start = time.time()
   for e in range(int(epoch.numpy()), FLAGS.epochs):
@@ -283,15 +290,16 @@ def run(argv=None):
       break
   seconds = time.time() - start
 
-  eps = tfdpx.accounting.epsilon_for_sampling(optimizer, delta=FLAGS.delta,
-                                              **accounted)
+  eps = tfdpx.accounting.epsilon_for_sampling(
+      optimizer, delta=FLAGS.delta, accountant=FLAGS.accountant, **accounted)
   _, accuracy = trained.evaluate(x_test, y_test, verbose=0)
   statement = tfdpx.accounting.privacy_statement(
       optimizer, num_examples=n, expected_batch_size=FLAGS.batch_size,
-      delta=FLAGS.delta, sampling=FLAGS.sampling)
+      delta=FLAGS.delta, sampling=FLAGS.sampling, accountant=FLAGS.accountant)
   if FLAGS.export_dir:
     tf.saved_model.save(model, FLAGS.export_dir)
   return {'epsilon': eps, 'delta': FLAGS.delta, 'sampling': FLAGS.sampling,
+          'accountant': FLAGS.accountant,
           'private': not optimizer.noise_seed_is_known,
           'noise_multiplier': noise_multiplier,
           'steps': int(optimizer.dp_steps.numpy()),

@@ -1,10 +1,17 @@
 """Privacy accounting: privatizer events -> epsilon, calibration, statements.
 
-Everything here is host-side Python over `dp_accounting` (RDP). The training
-event is built only from `dp_event(step)` of the privatizer (or optimizer) that
+Everything here is host-side Python over `dp_accounting`. The training event
+is built only from `dp_event(step)` of the privatizer (or optimizer) that
 added the noise; nothing here rebuilds an event from hyperparameters. Every
 step event is validated and normalized (`normalized_event`) before it is
 composed.
+
+Two accountants turn the same event into epsilon (`ACCOUNTANTS`): 'rdp' (the
+default, Renyi DP as tensorflow-privacy reports it) and 'pld' (privacy loss
+distributions, `dp_accounting.pld.PLDAccountant`), which gives a tighter
+epsilon for the same noise, hence less noise for the same epsilon. PLD
+discretizes the privacy loss pessimistically (`PLD_DISCRETIZATION`), so its
+epsilon stays an upper bound.
 
 Sampling is an explicit choice (`SAMPLING_ASSUMPTIONS`):
 
@@ -23,6 +30,7 @@ import math
 from typing import List, Optional, Sequence
 
 import dp_accounting
+from dp_accounting import pld
 from dp_accounting import rdp
 from dp_accounting.rdp import rdp_privacy_accountant
 import numpy as np
@@ -30,6 +38,14 @@ import numpy as np
 from tfdpx import core
 
 SAMPLING_ASSUMPTIONS = ('poisson', 'shuffle')
+ACCOUNTANTS = ('rdp', 'pld')
+ACCOUNTANT_NAMES = {'rdp': 'RDP accountant', 'pld': 'PLD accountant'}
+
+# Value discretization interval of the PLD accountant: the privacy loss is
+# rounded up to multiples of it (pessimistic), so the epsilon is a bound;
+# 1e-3 keeps a 14,000-step run at well under a second and within 0.1% of a
+# ten times finer grid.
+PLD_DISCRETIZATION = 1e-3
 
 # Step events tfdpx can account; anything else is refused by name.
 _NORMALIZED_TYPES = (
@@ -260,8 +276,9 @@ def epsilon(
     sampling_probability: float,
     delta: float,
     orders: Optional[Sequence[float]] = None,
+    accountant: str = 'rdp',
 ) -> float:
-  """Epsilon (RDP accountant) of `steps` Poisson-sampled steps of `source`.
+  """Epsilon of `steps` Poisson-sampled steps of `source`.
 
   Args:
     source: a privatizer or a tfdpx optimizer.
@@ -271,6 +288,7 @@ def epsilon(
     delta: target delta in (0, 1).
     orders: RDP orders; default `dp_accounting`'s, as tensorflow-privacy's
       `compute_dp_sgd_privacy_statement` uses.
+    accountant: 'rdp' or 'pld' (`ACCOUNTANTS`).
 
   Returns:
     Epsilon, `inf` if any step is not private.
@@ -281,15 +299,10 @@ def epsilon(
       `training_event`).
   """
   _check_delta(delta)
+  check_accountant(accountant)
   event = training_event(source, steps=steps,
                          sampling_probability=sampling_probability)
-  orders = tuple(orders if orders is not None
-                 else rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
-  total = _cached_rdp(event, orders)
-  if total is None:
-    return _rdp_epsilon(event, orders, delta)
-  eps, _ = rdp_privacy_accountant.compute_epsilon(orders, total, delta)
-  return float(eps)
+  return _event_epsilon(event, delta, accountant, orders)
 
 
 def _check_delta(delta):
@@ -316,6 +329,39 @@ def _rdp_epsilon(event, orders, delta) -> float:
   accountant = rdp.RdpAccountant(list(orders))
   accountant.compose(event)
   return float(accountant.get_epsilon(delta))
+
+
+def check_accountant(accountant: str) -> str:
+  """`accountant` if it is one of `ACCOUNTANTS`, else a ValueError naming it."""
+  if accountant not in ACCOUNTANTS:
+    raise ValueError(
+        f'accountant must be one of {ACCOUNTANTS}, got {accountant!r}')
+  return accountant
+
+
+def _pld_epsilon(event, delta) -> float:
+  accountant = pld.PLDAccountant(
+      value_discretization_interval=PLD_DISCRETIZATION)
+  try:
+    accountant.compose(event)
+  except dp_accounting.UnsupportedEventError as error:
+    raise ValueError(
+        f'the PLD accountant cannot account this event: {event!r} ({error}); '
+        "use accountant='rdp'") from None
+  return float(accountant.get_epsilon(delta))
+
+
+def _event_epsilon(event, delta, accountant, orders) -> float:
+  """Epsilon of a training event by the chosen accountant."""
+  if check_accountant(accountant) == 'pld':
+    return _pld_epsilon(event, delta)
+  orders = tuple(orders if orders is not None
+                 else rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+  total = _cached_rdp(event, orders)
+  if total is None:
+    return _rdp_epsilon(event, orders, delta)
+  eps, _ = rdp_privacy_accountant.compute_epsilon(orders, total, delta)
+  return float(eps)
 
 
 @functools.lru_cache(maxsize=256)
@@ -370,6 +416,7 @@ def epsilon_once_per_epoch(
     steps_per_epoch: int,
     delta: float,
     orders: Optional[Sequence[float]] = None,
+    accountant: str = 'rdp',
 ) -> float:
   """Epsilon of shuffled batches: each example in one step of each epoch.
 
@@ -395,6 +442,7 @@ def epsilon_once_per_epoch(
       doubt take fewer (more epochs): e.g. `n // batch_size`.
     delta: target delta in (0, 1).
     orders: RDP orders; default `dp_accounting`'s.
+    accountant: 'rdp' or 'pld' (`ACCOUNTANTS`).
 
   Returns:
     Epsilon, `inf` if any step is not private.
@@ -403,14 +451,13 @@ def epsilon_once_per_epoch(
     ValueError: for a bad argument, naming it, or a bad step event.
   """
   _check_delta(delta)
+  check_accountant(accountant)
   steps = _steps_of(source, steps)
   steps_per_epoch = _checked_steps_per_epoch(steps_per_epoch)
   epochs = (_worst_step(_step_events(source, start,
                                      min(start + steps_per_epoch, steps)))
             for start in range(0, steps, steps_per_epoch))
-  orders = tuple(orders if orders is not None
-                 else rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
-  return _rdp_epsilon(_group_runs(epochs), orders, delta)
+  return _event_epsilon(_group_runs(epochs), delta, accountant, orders)
 
 
 def check_accounting_arguments(sampling: str, *, delta: float,
@@ -464,6 +511,7 @@ def epsilon_for_sampling(
     steps: Optional[int] = None,
     sampling_probability: Optional[float] = None,
     steps_per_epoch: Optional[int] = None,
+    accountant: str = 'rdp',
 ) -> float:
   """The epsilon that holds for how the batches were sampled.
 
@@ -476,6 +524,7 @@ def epsilon_for_sampling(
       `check_accounting_arguments`.
     steps: number of steps; for an optimizer, `None` means the steps it has
       privatized so far.
+    accountant: 'rdp' or 'pld' (`ACCOUNTANTS`).
 
   Returns:
     Epsilon, `inf` if any step is not private.
@@ -489,9 +538,11 @@ def epsilon_for_sampling(
       steps_per_epoch=steps_per_epoch)
   if sampling == 'poisson':
     return epsilon(source, steps=steps,
-                   sampling_probability=sampling_probability, delta=delta)
+                   sampling_probability=sampling_probability, delta=delta,
+                   accountant=accountant)
   return epsilon_once_per_epoch(source, steps=steps,
-                                steps_per_epoch=steps_per_epoch, delta=delta)
+                                steps_per_epoch=steps_per_epoch, delta=delta,
+                                accountant=accountant)
 
 
 def calibrate_noise_multiplier(
@@ -503,6 +554,7 @@ def calibrate_noise_multiplier(
     sampling_probability: Optional[float] = None,
     steps_per_epoch: Optional[int] = None,
     rtol: float = 1e-3,
+    accountant: str = 'rdp',
 ) -> float:
   """The smallest effective `noise_multiplier` whose epsilon is <= target.
 
@@ -518,6 +570,8 @@ def calibrate_noise_multiplier(
     steps_per_epoch: instead, for shuffled fixed-size batches
       (`epsilon_once_per_epoch`).
     rtol: relative tolerance of the epsilon reached.
+    accountant: 'rdp' or 'pld' (`ACCOUNTANTS`); PLD's tighter epsilon gives
+      a smaller multiplier for the same target.
 
   Returns:
     The noise multiplier (Python float).
@@ -528,6 +582,7 @@ def calibrate_noise_multiplier(
       given.
   """
   core.check_positive('target_epsilon', target_epsilon)
+  check_accountant(accountant)
   if (sampling_probability is None) == (steps_per_epoch is None):
     raise ValueError('pass sampling_probability (Poisson sampling) or '
                      'steps_per_epoch (shuffled batches), not both or neither')
@@ -537,7 +592,7 @@ def calibrate_noise_multiplier(
     return epsilon_for_sampling(
         privatizer.with_noise_multiplier(z), sampling=sampling, steps=steps,
         delta=delta, sampling_probability=sampling_probability,
-        steps_per_epoch=steps_per_epoch)
+        steps_per_epoch=steps_per_epoch, accountant=accountant)
 
   lo, hi = 0.0, 1.0
   while eps(hi) > target_epsilon:
@@ -568,6 +623,7 @@ def privacy_statement(
     num_examples: int,
     expected_batch_size: float,
     delta: float,
+    accountant: str = 'rdp',
 ) -> str:
   """A human-readable privacy statement naming its assumptions.
 
@@ -587,6 +643,7 @@ def privacy_statement(
     expected_batch_size: expected batch size (the batch size for 'shuffle');
       q = expected_batch_size / n.
     delta: target delta.
+    accountant: 'rdp' or 'pld' (`ACCOUNTANTS`); the statement names it.
 
   Returns:
     The statement, several lines of text.
@@ -596,6 +653,8 @@ def privacy_statement(
       sampling, an optimizer with `num_microbatches` records or without a
       public denominator.
   """
+  check_accountant(accountant)
+  name = ACCOUNTANT_NAMES[accountant]
   q = expected_batch_size / num_examples
   steps = _steps_of(source, steps)
   if sampling == 'shuffle':
@@ -608,7 +667,8 @@ def privacy_statement(
   else:
     sampling_arguments = {'sampling_probability': q}
   eps = epsilon_for_sampling(source, sampling=sampling, steps=steps,
-                             delta=delta, **sampling_arguments)
+                             delta=delta, accountant=accountant,
+                             **sampling_arguments)
   privatizer = getattr(source, 'privatizer', source)
   known_seed = ''
   if getattr(source, 'noise_seed_is_known', False):
@@ -634,7 +694,7 @@ def privacy_statement(
   if sampling == 'poisson':
     lines += [
         '  sampling: Poisson, as the accountant assumes.',
-        f'  epsilon (RDP accountant, Poisson sampling): {eps:.4g}{known_seed}',
+        f'  epsilon ({name}, Poisson sampling): {eps:.4g}{known_seed}',
     ]
   else:
     steps_per_epoch = sampling_arguments['steps_per_epoch']
@@ -642,7 +702,7 @@ def privacy_statement(
     lines += [
         '  sampling: fixed-size batches from a shuffled pass, '
         f'{steps_per_epoch} steps per epoch ({epochs} epochs).',
-        '  epsilon (RDP accountant, each example occurring once per epoch, no '
+        f'  epsilon ({name}, each example occurring once per epoch, no '
         f'amplification by sampling): {eps:.4g}{known_seed}',
     ]
     if microbatches:
@@ -653,7 +713,7 @@ def privacy_statement(
                    'batch is not public)')
     else:
       poisson = epsilon(source, steps=steps, sampling_probability=q,
-                        delta=delta)
+                        delta=delta, accountant=accountant)
       lines.append(
           f'  aside: epsilon {poisson:.4g} assuming Poisson sampling, which '
           'this run did not use: not a guarantee.')

@@ -49,6 +49,17 @@ def _check_before_training(model, callback):
     _LOG.warning(KNOWN_SEED_WARNING)
 
 
+def _sampling_arguments(sampling, delta, sampling_probability,
+                        steps_per_epoch, accountant):
+  """The checked keyword arguments of `accounting.epsilon_for_sampling`."""
+  accounting.check_accounting_arguments(
+      sampling, delta=delta, sampling_probability=sampling_probability,
+      steps_per_epoch=steps_per_epoch)
+  return dict(sampling=sampling, sampling_probability=sampling_probability,
+              steps_per_epoch=steps_per_epoch,
+              accountant=accounting.check_accountant(accountant))
+
+
 class PrivacyCallback(tf.keras.callbacks.Callback):
   """Adds `epsilon` to the epoch logs (History, progress bar, TensorBoard).
 
@@ -58,7 +69,8 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
 
   def __init__(self, *, sampling: str, delta: float,
                sampling_probability: Optional[float] = None,
-               steps_per_epoch: Optional[int] = None):
+               steps_per_epoch: Optional[int] = None,
+               accountant: str = 'rdp'):
     """Args:
       sampling: 'poisson' or 'shuffle', how the batches are drawn.
       delta: target delta.
@@ -66,17 +78,14 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
         batch size / n.
       steps_per_epoch: with `sampling='shuffle'` only: steps of one pass over
         the data (`n // batch_size` for `drop_remainder` batches).
+      accountant: 'rdp' (default) or 'pld' (`tfdpx.accounting.ACCOUNTANTS`).
 
     Raises:
       ValueError: naming a missing, extra or bad argument.
     """
     super().__init__()
-    accounting.check_accounting_arguments(
-        sampling, delta=delta, sampling_probability=sampling_probability,
-        steps_per_epoch=steps_per_epoch)
-    self.sampling_arguments = dict(sampling=sampling,
-                                   sampling_probability=sampling_probability,
-                                   steps_per_epoch=steps_per_epoch)
+    self.sampling_arguments = _sampling_arguments(
+        sampling, delta, sampling_probability, steps_per_epoch, accountant)
     self.delta = delta
 
   def _epsilon(self, steps=None):
@@ -108,11 +117,12 @@ class EpsilonBudget(tf.keras.callbacks.Callback):
 
   def __init__(self, target_epsilon: float, *, sampling: str, delta: float,
                sampling_probability: Optional[float] = None,
-               steps_per_epoch: Optional[int] = None):
+               steps_per_epoch: Optional[int] = None,
+               accountant: str = 'rdp'):
     """Args:
       target_epsilon: the budget, > 0.
-      sampling, delta, sampling_probability, steps_per_epoch: as in
-        `PrivacyCallback`.
+      sampling, delta, sampling_probability, steps_per_epoch, accountant: as
+        in `PrivacyCallback`.
 
     Raises:
       ValueError: naming a missing, extra or bad argument.
@@ -120,13 +130,9 @@ class EpsilonBudget(tf.keras.callbacks.Callback):
     super().__init__()
     if not target_epsilon > 0:
       raise ValueError(f'target_epsilon must be > 0, got {target_epsilon!r}')
-    accounting.check_accounting_arguments(
-        sampling, delta=delta, sampling_probability=sampling_probability,
-        steps_per_epoch=steps_per_epoch)
     self.target_epsilon = target_epsilon
-    self.sampling_arguments = dict(sampling=sampling,
-                                   sampling_probability=sampling_probability,
-                                   steps_per_epoch=steps_per_epoch)
+    self.sampling_arguments = _sampling_arguments(
+        sampling, delta, sampling_probability, steps_per_epoch, accountant)
     self.delta = delta
     self.stopped_at_step = None
     self._execution_steps = 1
