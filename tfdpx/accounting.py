@@ -43,8 +43,8 @@ ACCOUNTANT_NAMES = {'rdp': 'RDP accountant', 'pld': 'PLD accountant'}
 
 # Value discretization interval of the PLD accountant: the privacy loss is
 # rounded up to multiples of it (pessimistic), so the epsilon is a bound;
-# 1e-3 keeps a 14,000-step run at well under a second and within 0.1% of a
-# ten times finer grid.
+# 1e-3 keeps a 14,000-step run under a second and within 0.5% above a ten
+# times finer grid (the tutorial: 2.391 against 2.382).
 PLD_DISCRETIZATION = 1e-3
 
 # Step events tfdpx can account; anything else is refused by name.
