@@ -11,7 +11,15 @@ Output goes to `out/demo/`.
 """
 
 import os
+import sys
 
+if __package__ in (None, ''):
+  # Run by path (`python examples/demo.py`): import `examples` from the
+  # repository root, as `python -m examples.demo` does.
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+      __file__))))
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
 import matplotlib
@@ -20,7 +28,8 @@ import numpy as np
 from examples import train
 
 matplotlib.use('Agg')
-from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+from matplotlib import pyplot
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 flags.DEFINE_string('out_dir', 'out/demo', 'Where the table, plot and model go.')
 flags.DEFINE_float('demo_epsilon', 3.0, 'The epsilon every run is calibrated to.')
