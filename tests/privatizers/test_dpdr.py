@@ -549,3 +549,25 @@ def test_noiseless_dpdr_training_is_plain_sgd():
   for a, b in zip(private.get_weights(), public.get_weights()):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
   assert int(optimizer.dp_steps.numpy()) == 5
+
+
+def test_a_small_orthogonal_part_of_a_large_gradient_stays_within_its_clip():
+  # |g_perp|^2 is a difference of statistics of the whole gradient, rounded
+  # at the scale of |g|^2: with 1000 along the base and 1.5 across it, the
+  # norm came out too small and g_perp was released up to 5% above its
+  # clip norm. The alpha part is clipped to almost nothing here.
+  privatizer = privatizers.dpdr(1.0, 0.0, decomposition_steps=4,
+                                granularity='global', alpha_l2_norm_clip=1e-9)
+  worst = 0.0
+  for seed in range(20):
+    base = _unit_base(seed, blocks=[0, 0, 0])
+    rng = np.random.default_rng(100 + seed)
+    across = [rng.normal(size=b.shape) for b in base]
+    along = sum(float(np.sum(a * b.numpy())) for a, b in zip(across, base))
+    across = [a - along * b.numpy() for a, b in zip(across, base)]
+    scale = 1.5 / _norm(across)
+    grads = [tf.constant((1000 * b.numpy() + scale * a)[np.newaxis],
+                         tf.float32) for a, b in zip(across, base)]
+    out, _ = privatizer.update(grads, _state(privatizer, base, 1), _key())
+    worst = max(worst, _norm(out))
+  assert worst <= 1.0 + 1e-4

@@ -496,3 +496,26 @@ def test_residual_clip_holds_even_for_a_basis_that_is_not_orthonormal(
   privatizer = privatizers.gep(60, 1e-9, 1.0, 0.0, groups=[[0], [1], [2]])
   out, _ = privatizer.update(one, {}, KEY, public_grads=public)
   assert np.linalg.norm(_flat([o[np.newaxis] for o in out])) <= 1.0 + 1e-5
+
+
+def test_a_small_residual_of_a_large_gradient_stays_within_its_clip():
+  # |r|^2 is a difference of statistics of the whole gradient, rounded at the
+  # scale of |g|^2: with 1000 in the subspace and 1.5 outside it, the norm
+  # came out too small and r was released up to 22% above S2.
+  _, public = _low_rank_problem(rank=5, seed=8)
+  privatizer = privatizers.gep(60, 1e-9, 1.0, 0.0, groups=[[0], [1], [2]])
+  bases = [b.numpy() for b in privatizer.bases(public, KEY)]
+  worst = 0.0
+  for seed in range(20):
+    rng = np.random.default_rng(seed)
+    inside = [b @ rng.normal(size=b.shape[1]) for b in bases]
+    outside = [rng.normal(size=b.shape[0]) for b in bases]
+    outside = [r - b @ (b.T @ r) for r, b in zip(outside, bases)]
+    scale_in = 1000 / math.sqrt(sum(np.sum(i**2) for i in inside))
+    scale_out = 1.5 / math.sqrt(sum(np.sum(r**2) for r in outside))
+    one = [tf.constant((scale_in * i + scale_out * r).reshape((1,) + s),
+                       tf.float32)
+           for i, r, s in zip(inside, outside, SHAPES)]
+    out, _ = privatizer.update(one, {}, KEY, public_grads=public)
+    worst = max(worst, np.linalg.norm(_flat([o[np.newaxis] for o in out])))
+  assert worst <= 1.0 + 1e-4

@@ -139,7 +139,10 @@ class DPDR(core.Privatizer):
     1024 `perp_l2_norm_clip` is also scaled to that norm, so that float
     rounding of the subtraction stays far below the clip norm
     (`clipping.bound_for_subtraction`; a scaling by at most 1, so the
-    sensitivities are unchanged). By default the parts'
+    sensitivities are unchanged), and the orthogonal part's norm, a
+    difference of squared norms rounded at the scale of |g|^2, is rounded up
+    by `2^-16 |g|^2` (`clipping.part_norms`) so that its clip holds in
+    float32. By default the parts'
     multipliers split `noise_multiplier` so that `sigma_eff` equals it and
     every step costs what a DP-SGD step costs. Adjacency: add or remove one
     example.
@@ -308,10 +311,11 @@ class DPDR(core.Privatizer):
     perp_sq = tf.reduce_sum(
         sq_norms - 2.0 * alpha_of_variable * dots +
         tf.square(alpha_of_variable) * base_sq, axis=1)
-    # Rounding can take a tiny |g_perp|^2 below zero.
-    norms = tf.sqrt(tf.reduce_sum(sq_norms, axis=1))
+    # Rounded at the scale of |g|^2: an upper bound by `part_norms`.
+    whole_sq = tf.reduce_sum(sq_norms, axis=1)
+    norms = tf.sqrt(whole_sq)
     perp_factors = clipping.bound_for_subtraction(
-        clipping.clip_factor(tf.sqrt(tf.maximum(perp_sq, 0.0)),
+        clipping.clip_factor(clipping.part_norms(perp_sq, whole_sq),
                              self.perp_l2_norm_clip),
         norms, self.perp_l2_norm_clip)
     dp_sgd_factors = clipping.clip_factor(norms, self._l2_norm_clip)

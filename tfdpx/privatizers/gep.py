@@ -202,7 +202,9 @@ class GEP(core.Privatizer):
     subspace; an example whose whole gradient exceeds 1024 S2 is also scaled
     to that norm, so that float rounding of the subtraction stays far below
     S2 (`clipping.bound_for_subtraction`; a scaling by at most 1, so the
-    sensitivities are unchanged).
+    sensitivities are unchanged). The residual's norm, a difference of
+    squared norms rounded at the scale of |g|^2, is rounded up by
+    `2^-16 |g|^2` (`clipping.part_norms`), so its clip holds in float32.
 
   References:
     Yu, Zhang, Chen, Liu, "Do Not Let Privacy Overbill Utility: Gradient
@@ -519,7 +521,7 @@ class GEP(core.Privatizer):
           tf.reduce_sum(w * tf.matmul(w, _gram(basis)), axis=1)
           for w, basis in zip(embeddings, bases)])
       factors = clipping.bound_for_subtraction(
-          clipping.clip_factor(tf.sqrt(tf.maximum(residual_sq, 0.0)),
+          clipping.clip_factor(clipping.part_norms(residual_sq, sq_norms),
                                self._s2),
           tf.sqrt(sq_norms), self._s2)
       flat_sum = _flat([s[tf.newaxis] for s in noise.batch_sum(grads,
