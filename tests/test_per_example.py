@@ -188,8 +188,34 @@ def _check_statistics(grads, expected, seed=0):
   for got, want in zip(grads.weighted_sums(tf.constant(columns)), expected):
     np.testing.assert_allclose(got.numpy(),
                                np.tensordot(columns, want, [[0], [0]]), **close)
+  _check_row_statistics(grads, expected, rng, close)
   for got, want in zip(grads.materialized(), expected):
     np.testing.assert_allclose(got.numpy(), want, **close)
+
+
+def _check_row_statistics(grads, expected, rng, close):
+  """Dots and weighted sums on slices of the variables' first axes."""
+  # The last slices of the first axis (all of it where it has one slice).
+  rows = [None if g.ndim < 2 else (min(1, g.shape[1] - 1), g.shape[1])
+          for g in expected]
+  directions = [rng.normal(size=(3,) + (g.shape[1:] if r is None else
+                                        (r[1] - r[0],) + g.shape[2:]))
+                .astype('float32') for g, r in zip(expected, rows)]
+  sliced = [g if r is None else g[:, r[0]:r[1]]
+            for g, r in zip(expected, rows)]
+  for got, want, d in zip(grads.dots(directions, rows), sliced, directions):
+    np.testing.assert_allclose(
+        got.numpy(), want.reshape(BATCH, -1) @ d.reshape(3, -1).T, **close)
+  # Every other variable skipped.
+  wanted = [None if i % 2 or r is None else r for i, r in enumerate(rows)]
+  columns = rng.normal(size=(BATCH, 2)).astype('float32')
+  for got, want, r in zip(grads.weighted_sums(tf.constant(columns), wanted),
+                          sliced, wanted):
+    if r is None:
+      assert got is None
+    else:
+      np.testing.assert_allclose(
+          got.numpy(), np.tensordot(columns, want, [[0], [0]]), **close)
 
 
 class _InGraph:
@@ -225,6 +251,24 @@ def test_every_statistic_equals_a_loop_of_single_example_tapes(name,
   grads = _InGraph(model, x, lambda outputs: _squared_error(y, outputs),
                  chunk_size=2, use_rules=use_rules)
   _check_statistics(grads, expected)
+
+
+@pytest.mark.parametrize('name', ['dense', 'dense_on_sequences', 'conv2d',
+                                  'embedding', 'tied_before'])
+def test_weighted_sums_of_large_units_equal_the_loop(name, monkeypatch):
+  # Layers above SMALL_UNIT_SIZE take their unit's own `weighted_sums` (one
+  # matmul for Dense on vectors, else a pass per column), not a contraction
+  # of their materialized gradients; these models' layers are all small.
+  monkeypatch.setattr(per_example, 'SMALL_UNIT_SIZE', 0)
+  tf.keras.utils.set_random_seed(1)
+  build, make_x = MODELS[name]
+  model = build()
+  rng = np.random.default_rng(0)
+  x = make_x(rng)
+  y = rng.normal(size=model(x).shape).astype('float32')
+  grads = _InGraph(model, x, lambda outputs: _squared_error(y, outputs),
+                   chunk_size=2)
+  _check_statistics(grads, _loop_reference(model, x, y))
 
 
 def test_rules_cover_the_ruled_layers_and_skip_what_they_cannot_do():

@@ -24,11 +24,32 @@ all-reduce them with `tfdpx.noise.replica_sum` under `tf.distribute`.
 """
 
 import abc
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
 Directions = Sequence[Optional[tf.Tensor]]
+# Per variable, a range `(start, stop)` of its first axis, or None.
+Rows = Optional[Sequence[Optional[Tuple[int, int]]]]
+
+
+def pad_rows(direction: tf.Tensor, rows: Optional[Tuple[int, int]],
+             shape: tf.TensorShape) -> tf.Tensor:
+  """`[k, *shape]` directions from ones given on `rows` of the first axis."""
+  if rows is None:
+    return direction
+  start, stop = rows
+  padding = [[0, 0], [start, shape[0] - stop]] + [[0, 0]] * (len(shape) - 1)
+  return tf.pad(direction, padding)
+
+
+def slice_rows(tensor: tf.Tensor, rows: Optional[Tuple[int, int]],
+               axis: int = 1) -> tf.Tensor:
+  """`tensor` restricted to `rows` of its variable's first axis (`axis`)."""
+  if rows is None:
+    return tensor
+  start, stop = rows
+  return tensor[(slice(None),) * axis + (slice(start, stop),)]
 
 
 def _flat(tensor: tf.Tensor, leading: int = 1) -> tf.Tensor:
@@ -62,12 +83,17 @@ class PerExampleGradients(abc.ABC):
     """`|g_iv|^2`: one float32 `[B]` per variable."""
 
   @abc.abstractmethod
-  def dots(self, directions: Directions) -> List[Optional[tf.Tensor]]:
+  def dots(self, directions: Directions,
+           rows: Rows = None) -> List[Optional[tf.Tensor]]:
     """`<g_iv, d_jv>` for k_v directions per variable.
 
     Args:
       directions: per variable, a `[k_v, *shape]` tensor of directions, or
         None for a variable that is not needed.
+      rows: optional, per variable, `(start, stop)` when its directions are
+        zero outside those slices of its first axis: `directions[v]` is then
+        `[k_v, stop - start, *shape[1:]]`, and the engine does the work of
+        those slices only (GEP's groups cut variables). None: whole.
 
     Returns:
       Per variable, a float32 `[B, k_v]`, or None where `directions` is None.
@@ -89,22 +115,38 @@ class PerExampleGradients(abc.ABC):
   def materialized(self) -> List[tf.Tensor]:
     """`g_iv` itself: one `[B, *shape]` tensor per variable (escape hatch)."""
 
-  def weighted_sums(self, weights: tf.Tensor) -> List[tf.Tensor]:
+  def weighted_sums(self, weights: tf.Tensor,
+                    rows: Rows = None) -> List[Optional[tf.Tensor]]:
     """`sum_i w_ic g_iv` for each column c of `weights` (float32 `[B, K]`).
 
     One `weighted_sum` per column (K static), so nothing larger than the
     result is formed.
 
+    Args:
+      weights: float32 `[B, K]`.
+      rows: optional, per variable, None to skip it or `(start, stop)` to
+        sum only those slices of its first axis. Default: every variable,
+        whole.
+
     Returns:
-      Per variable, a `[K, *shape]` tensor.
+      Per variable, a `[K, *shape]` tensor (`[K, stop - start, *shape[1:]]`
+      with `rows`; None for a skipped variable).
     """
     columns = tf.unstack(tf.convert_to_tensor(weights), axis=1)
-    return [tf.stack(sums) for sums in
-            zip(*[self.weighted_sum(w) for w in columns])]
+    sums = [tf.stack(s) for s in zip(*[self.weighted_sum(w) for w in columns])]
+    return _rows_of_sums(sums, rows)
 
   def masked(self, masks: Sequence[tf.Tensor]) -> 'PerExampleGradients':
     """The gradients `m_v * g_iv`, for data-independent masks `m_v`."""
     return MaskedGradients(self, masks)
+
+
+def _rows_of_sums(sums: Sequence[tf.Tensor],
+                  rows: Rows) -> List[Optional[tf.Tensor]]:
+  """`weighted_sums`' answer for `rows` from the whole `[K, *shape]` sums."""
+  if rows is None:
+    return list(sums)
+  return [None if r is None else slice_rows(s, r) for s, r in zip(sums, rows)]
 
 
 def global_sq_norms(grads: PerExampleGradients) -> tf.Tensor:
@@ -136,16 +178,17 @@ class MaterializedGradients(PerExampleGradients):
     # A contraction, not a [B, ...] temporary of squares.
     return [tf.einsum('bn,bn->b', f, f) for f in flats]
 
-  def dots(self, directions):
+  def dots(self, directions, rows=None):
     if len(directions) != len(self._grads):
       raise ValueError(f'directions has {len(directions)} entries for '
                        f'{len(self._grads)} variables')
+    rows = rows or [None] * len(self._grads)
     out = []
-    for g, d in zip(self._grads, directions):
+    for g, d, r in zip(self._grads, directions, rows):
       if d is None:
         out.append(None)
         continue
-      out.append(tf.matmul(_flat(tf.cast(g, tf.float32)),
+      out.append(tf.matmul(_flat(tf.cast(slice_rows(g, r), tf.float32)),
                            _flat(tf.cast(d, tf.float32)), transpose_b=True))
     return out
 
@@ -158,9 +201,13 @@ class MaterializedGradients(PerExampleGradients):
     return [tf.tensordot(tf.cast(weights, g.dtype), g, axes=1)
             for g in self._grads]
 
-  def weighted_sums(self, weights):
-    return [tf.tensordot(tf.cast(weights, g.dtype), g, axes=[[0], [0]])
-            for g in self._grads]
+  def weighted_sums(self, weights, rows=None):
+    def sums(g):
+      return tf.tensordot(tf.cast(weights, g.dtype), g, axes=[[0], [0]])
+    if rows is None:
+      return [sums(g) for g in self._grads]
+    return [None if r is None else sums(slice_rows(g, r))
+            for g, r in zip(self._grads, rows)]
 
   def materialized(self):
     return list(self._grads)
@@ -190,11 +237,13 @@ class MaskedGradients(PerExampleGradients):
   def sq_norms(self):
     return self._grads.masked_sq_norms(self._masks)
 
-  def dots(self, directions):
+  def dots(self, directions, rows=None):
     # <m * g, d> = <g, m * d>.
+    rows = rows or [None] * len(self._masks)
     return self._grads.dots([
-        None if d is None else d * tf.cast(m, d.dtype)[tf.newaxis]
-        for d, m in zip(directions, self._masks)])
+        None if d is None else
+        d * tf.cast(slice_rows(m, r, axis=0), d.dtype)[tf.newaxis]
+        for d, m, r in zip(directions, self._masks, rows)], rows)
 
   def masked_sq_norms(self, masks):
     return self._grads.masked_sq_norms(

@@ -26,8 +26,8 @@ from tfdpx.forms import unit as unit_lib
 
 # `weighted_sums` of a layer whose per-example gradient has at most this many
 # entries: one contraction of its materialized gradients (formed once, B times
-# this size); of a larger layer, one weighted sum (a backward-like pass) per
-# column, never its per-example gradients.
+# this size); of a larger layer, its unit's `weighted_sums` (one matmul for all
+# columns, or a backward-like pass per column), never its per-example gradients.
 SMALL_UNIT_SIZE = 16384
 
 SCALAR_LOSS_HELP = (
@@ -212,16 +212,19 @@ class UnitGradients(gradients.PerExampleGradients):
     self._keep_rows()
     return self._kept(self._raw_sq_norms)
 
-  def dots(self, directions):
+  def dots(self, directions, rows=None):
     if len(directions) != len(self._vars):
       raise ValueError(f'directions has {len(directions)} entries for '
                        f'{len(self._vars)} variables')
+    rows = rows or [None] * len(self._vars)
 
     def of_unit(unit, wanted):
-      return unit.dots([None if i is None else directions[i] for i in wanted])
+      return unit.dots([None if i is None else directions[i] for i in wanted],
+                       [None if i is None else rows[i] for i in wanted])
 
     def of_shared(i, g):
-      return gradients.MaterializedGradients([g]).dots([directions[i]])[0]
+      return gradients.MaterializedGradients([g]).dots([directions[i]],
+                                                       [rows[i]])[0]
 
     def of_unread(i):
       d = directions[i]
@@ -258,28 +261,40 @@ class UnitGradients(gradients.PerExampleGradients):
                          of_shared, lambda i: tf.zeros_like(self._vars[i]))
     return [tf.cast(s, v.dtype) for s, v in zip(sums, self._vars)]
 
-  def weighted_sums(self, weights):
+  def weighted_sums(self, weights, rows=None):
     keep = self._keep_rows()
     weights = tf.where(keep[:, tf.newaxis], tf.cast(weights, tf.float32), 0.0)
-    columns = tf.unstack(weights, axis=1)
+    needed = [True] * len(self._vars) if rows is None else [
+        r is not None for r in rows]
+    rows = rows or [None] * len(self._vars)
 
-    def contraction(g):
-      return tf.tensordot(tf.cast(weights, g.dtype), clipping.zero_rows(g, keep),
+    def contraction(g, r):
+      return tf.tensordot(tf.cast(weights, g.dtype),
+                          gradients.slice_rows(clipping.zero_rows(g, keep), r),
                           axes=[[0], [0]])
 
     def of_unit(unit, wanted):
-      del wanted
+      if not any(i is not None and needed[i] for i in wanted):
+        return [None] * len(wanted)  # None of its variables asked for.
+      unit_rows = [None if i is None else rows[i] for i in wanted]
       size = sum(v.shape.num_elements() for v in unit.variables)
       if size <= SMALL_UNIT_SIZE:
-        return [contraction(g) for g in unit.materialized()]
-      return [tf.stack(sums) for sums in
-              zip(*[unit.weighted_sum(w, keep) for w in columns])]
+        return [contraction(g, r)
+                for g, r in zip(unit.materialized(), unit_rows)]
+      return unit.weighted_sums(weights, keep, unit_rows)
+
+    def of_shared(i, g):
+      return contraction(g, rows[i]) if needed[i] else None
 
     def of_unread(i):
-      return tf.zeros([len(columns), *self._vars[i].shape], self._vars[i].dtype)
+      shape = self._vars[i].shape.as_list()
+      if rows[i] is not None:
+        shape[0] = rows[i][1] - rows[i][0]
+      return tf.zeros([weights.shape[1], *shape], self._vars[i].dtype)
 
-    sums = self._collect(of_unit, lambda i, g: contraction(g), of_unread)
-    return [tf.cast(s, v.dtype) for s, v in zip(sums, self._vars)]
+    sums = self._collect(of_unit, of_shared, of_unread)
+    return [tf.cast(s, v.dtype) if wanted else None
+            for s, v, wanted in zip(sums, self._vars, needed)]
 
   def materialized(self):
     keep = self._keep_rows()

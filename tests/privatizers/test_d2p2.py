@@ -379,3 +379,19 @@ def test_srht_parts_agree_under_xla():
                          jit_compile=True)(KEY)
   for a, b in zip(eager, compiled):
     np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_standard_normal_f32_gives_independent_normal_pairs():
+  # Box-Muller's two outputs of one pair (r cos t, r sin t) land in the two
+  # halves of the flat draw; both halves must be N(0, 1) and independent.
+  n = 200_001
+  z = projections.standard_normal_f32([n], tf.constant([5, 6], tf.int64))
+  z = z.numpy().astype(np.float64)
+  assert z.shape == (n,) and np.all(np.isfinite(z))
+  assert scipy.stats.kstest(z, 'norm').pvalue > 1e-3
+  assert abs(z.mean()) < 5 / math.sqrt(n)
+  assert abs(z.var() - 1) < 5 * math.sqrt(2 / n)
+  half = n // 2
+  cosines, sines = z[:half], z[half + 1:2 * half + 1]
+  for a, b in [(cosines, sines), (cosines**2, sines**2)]:
+    assert abs(np.corrcoef(a, b)[0, 1]) < 5 / math.sqrt(half)

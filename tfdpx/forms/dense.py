@@ -17,7 +17,7 @@ positions, `p` = kernel volume x input channels). The bias gradient is
 The choice is made from static shapes, once per layer and batch shape.
 """
 
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -77,12 +77,29 @@ class ProductUnit(unit.Unit):
           [tf.reduce_sum(self._d, axis=1)])
     return self._bias_rows
 
-  def _kernel_of(self, chunk: List[tf.Tensor]) -> tf.Tensor:
-    """The chunk's per-example kernel gradients, `[c, *kernel.shape]`."""
+  def _columns(self, rows) -> Tuple[int, int]:
+    """The columns `[lo, hi)` of `A` that make the kernel's rows `rows`."""
+    if rows is None:
+      return 0, self._in
+    per_row = self._in // self._kernel.shape[0]
+    return rows[0] * per_row, rows[1] * per_row
+
+  def _kernel_shape(self, rows) -> List[int]:
+    """The kernel's shape, or that of its slices `rows` of the first axis."""
+    shape = self._kernel.shape.as_list()
+    return shape if rows is None else [rows[1] - rows[0]] + shape[1:]
+
+  def _kernel_of(self, chunk: List[tf.Tensor], rows=None) -> tf.Tensor:
+    """The chunk's per-example kernel gradients, `[c, *kernel.shape]`.
+
+    With `rows`, only those slices of the kernel's first axis (from the
+    matching columns of `A`: nothing else is formed).
+    """
     *elems, d = chunk
-    a = tf.cast(self._rows_of(elems), d.dtype)
+    lo, hi = self._columns(rows)
+    a = tf.cast(self._rows_of(elems), d.dtype)[..., lo:hi]
     grads = tf.einsum('ctp,cto->cpo', a, d)
-    return tf.reshape(grads, [-1, *self._kernel.shape])
+    return tf.reshape(grads, [-1, *self._kernel_shape(rows)])
 
   def _cached_kernel(self) -> Optional[tf.Tensor]:
     """`[B, *kernel.shape]`, formed once, if one example's is small.
@@ -98,14 +115,19 @@ class ProductUnit(unit.Unit):
       self._kernel_cache = self.materialized()[0]
     return self._kernel_cache
 
-  def _kernel_rows(self, statistic, spec: tf.TensorSpec) -> tf.Tensor:
-    """`statistic` of the kernel gradients (cached, or chunk by chunk)."""
+  def _kernel_rows(self, statistic, spec: tf.TensorSpec,
+                   rows=None) -> tf.Tensor:
+    """`statistic` of the kernel gradients (cached, or chunk by chunk).
+
+    With `rows`, of their slices `rows` of the kernel's first axis.
+    """
     cached = self._cached_kernel()
     if cached is not None:
-      return statistic(gradients.MaterializedGradients([cached]))[0]
+      return statistic(gradients.MaterializedGradients(
+          [gradients.slice_rows(cached, rows)]))[0]
     return chunks.map_rows(
         lambda chunk: [statistic(gradients.MaterializedGradients(
-            [self._kernel_of(chunk)]))[0]],
+            [self._kernel_of(chunk, rows)]))[0]],
         self._elems + [self._d], self._chunk_size, [spec])[0]
 
   def _ghost(self) -> bool:
@@ -140,24 +162,26 @@ class ProductUnit(unit.Unit):
                                  tf.TensorSpec([], tf.float32))
     return self._with_bias(kernel, lambda g: g.sq_norms())
 
-  def dots(self, directions):
+  def dots(self, directions, rows=None):
+    rows = rows or [None] * len(directions)
     kernel_dirs = directions[0]
-    bias_dirs = [directions[1]] if self._bias is not None else []
     kernel = None
     if kernel_dirs is not None:
       k = kernel_dirs.shape[0]
       if self._steps == 1:
-        a = tf.cast(self._a()[:, 0], tf.float32)
+        # Only the columns of `a` that meet the directions' rows.
+        lo, hi = self._columns(rows[0])
+        a = tf.cast(self._a()[:, 0, lo:hi], tf.float32)
         d = tf.cast(self._d[:, 0], tf.float32)
         v = tf.reshape(tf.cast(kernel_dirs, tf.float32),
-                       [k, self._in, self._out])
+                       [k, hi - lo, self._out])
         kernel = tf.einsum('bko,bo->bk', tf.einsum('bp,kpo->bko', a, v), d)
       else:
         kernel = self._kernel_rows(lambda g: g.dots([kernel_dirs]),
-                                   tf.TensorSpec([k], tf.float32))
+                                   tf.TensorSpec([k], tf.float32), rows[0])
     out = [kernel]
     if self._bias is not None:
-      out += self._bias_grads().dots(bias_dirs)
+      out += self._bias_grads().dots(directions[1:], rows[1:])
     return out
 
   def masked_sq_norms(self, masks):
@@ -172,18 +196,44 @@ class ProductUnit(unit.Unit):
                                  tf.TensorSpec([], tf.float32))
     return self._with_bias(kernel, lambda g: g.masked_sq_norms(masks[1:]))
 
-  def weighted_sum(self, weights, keep):
+  def weighted_sum(self, weights, keep, rows=None):
     if self._weighted_sum is not None:
-      return self._weighted_sum(weights, keep)
+      return unit.sliced_sums(self._weighted_sum(weights, keep), rows)
+    rows = rows or [None] * len(self.variables)
+    lo, hi = self._columns(rows[0])
     d = unit.weighted_rows(self._d, weights, keep)
-    a = clipping.zero_rows(self._a(), keep)
+    a = clipping.zero_rows(self._a(), keep)[..., lo:hi]
     kernel = tf.reshape(
-        tf.matmul(tf.reshape(a, [-1, self._in]),
+        tf.matmul(tf.reshape(a, [-1, hi - lo]),
                   tf.reshape(d, [-1, self._out]), transpose_a=True),
-        self._kernel.shape)
+        self._kernel_shape(rows[0]))
     out = [tf.cast(kernel, self._kernel.dtype)]
     if self._bias is not None:
-      out.append(tf.cast(tf.reduce_sum(d, axis=[0, 1]), self._bias.dtype))
+      bias = tf.cast(tf.reduce_sum(d, axis=[0, 1]), self._bias.dtype)
+      out.append(gradients.slice_rows(bias, rows[1], axis=0))
+    return out
+
+  def weighted_sums(self, weights, keep, rows=None):
+    if self._weighted_sum is not None or self._steps != 1:
+      # [B, T, K, o] weighted copies of D would be too large on sequences.
+      return super().weighted_sums(weights, keep, rows)
+    # Vectors: all K columns in one matmul, `A^T [w_1 d, ..., w_K d]`.
+    rows = rows or [None] * len(self.variables)
+    lo, hi = self._columns(rows[0])
+    k = weights.shape[1]
+    a = clipping.zero_rows(self._a()[:, 0, lo:hi], keep)
+    d = clipping.zero_rows(self._d[:, 0], keep)
+    w = tf.where(keep[:, tf.newaxis], tf.cast(weights, d.dtype), 0.0)
+    weighted = tf.reshape(w[:, :, tf.newaxis] * d[:, tf.newaxis],
+                          [-1, k * self._out])
+    kernel = tf.reshape(tf.matmul(a, weighted, transpose_a=True),
+                        [hi - lo, k, self._out])
+    kernel = tf.reshape(tf.transpose(kernel, [1, 0, 2]),
+                        [k, *self._kernel_shape(rows[0])])
+    out = [tf.cast(kernel, self._kernel.dtype)]
+    if self._bias is not None:
+      bias = tf.cast(tf.matmul(w, d, transpose_a=True), self._bias.dtype)
+      out.append(gradients.slice_rows(bias, rows[1]))
     return out
 
   def materialized(self):

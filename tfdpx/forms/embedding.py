@@ -56,13 +56,29 @@ class EmbeddingUnit(unit.Unit):
     rows = tf.cast(self._rows, tf.float32)
     return [self._per_example(tf.reduce_sum(tf.square(rows), axis=1))]
 
-  def dots(self, directions):
+  def _window(self, rows):
+    """`(ids, inside, size)` of the pairs on the table rows `rows`.
+
+    `ids` are the pairs' ids relative to `rows[0]` (0 for a pair outside),
+    `inside` says which pairs lie in `rows` (None: all), `size` the number of
+    table rows.
+    """
+    if rows is None:
+      return self._id, None, self._vocab
+    start, stop = rows
+    inside = tf.logical_and(self._id >= start, self._id < stop)
+    return tf.where(inside, self._id - start, 0), inside, stop - start
+
+  def dots(self, directions, rows=None):
     if directions[0] is None:
       return [None]
+    ids, inside, _ = self._window(rows[0] if rows else None)
     rows = tf.cast(self._rows, tf.float32)
+    if inside is not None:
+      rows = clipping.zero_rows(rows, inside)
 
     def one(direction):  # One direction at a time: no [k, U, dim] tensor.
-      picked = tf.gather(tf.cast(direction, tf.float32), self._id)
+      picked = tf.gather(tf.cast(direction, tf.float32), ids)
       return self._per_example(tf.reduce_sum(picked * rows, axis=1))
 
     dots = tf.map_fn(one, directions[0],
@@ -75,12 +91,16 @@ class EmbeddingUnit(unit.Unit):
     return [self._per_example(tf.reduce_sum(picked * tf.square(rows),
                                             axis=1))]
 
-  def weighted_sum(self, weights, keep):
-    rows = clipping.zero_rows(self._rows, tf.gather(keep, self._example))
+  def weighted_sum(self, weights, keep, rows=None):
+    ids, inside, size = self._window(rows[0] if rows else None)
+    kept = tf.gather(keep, self._example)
+    if inside is not None:
+      kept = tf.logical_and(kept, inside)
+    rows = clipping.zero_rows(self._rows, kept)
     scale = tf.cast(tf.gather(weights, self._example), rows.dtype)
     # Dense [vocab, dim]: the noise covers the rows no example touched too.
-    total = tf.math.unsorted_segment_sum(rows * scale[:, tf.newaxis],
-                                         self._id, self._vocab)
+    total = tf.math.unsorted_segment_sum(rows * scale[:, tf.newaxis], ids,
+                                         size)
     return [tf.cast(total, self._table.dtype)]
 
   def materialized(self):

@@ -92,12 +92,12 @@ class MaterializedUnit(unit.Unit):
     return self._reduce(lambda g: g.masked_sq_norms(masks),
                         [_ROW_NORM] * len(self.variables))
 
-  def dots(self, directions):
+  def dots(self, directions, rows=None):
     out = [None] * len(directions)
     wanted = [i for i, d in enumerate(directions) if d is not None]
     if wanted:
       found = self._reduce(
-          lambda g: [d for d in g.dots(directions) if d is not None],
+          lambda g: [d for d in g.dots(directions, rows) if d is not None],
           [tf.TensorSpec([directions[i].shape[0]], tf.float32)
            for i in wanted])
       for i, d in zip(wanted, found):
@@ -108,10 +108,11 @@ class MaterializedUnit(unit.Unit):
     """Sets a cheaper exact `weighted_sum(weights, keep)` (see __init__)."""
     self._weighted_sum = weighted_sum
 
-  def weighted_sum(self, weights, keep):
+  def weighted_sum(self, weights, keep, rows=None):
     if self._weighted_sum is not None:
-      return self._weighted_sum(weights, keep)
-    return self.materialized_weighted_sum(weights, keep)
+      return unit.sliced_sums(self._weighted_sum(weights, keep), rows)
+    return unit.sliced_sums(self.materialized_weighted_sum(weights, keep),
+                            rows)
 
   def materialized_weighted_sum(self, weights, keep):
     """`weighted_sum` from the materialized gradients (chunk by chunk)."""

@@ -6,6 +6,7 @@ from typing import List, Optional, Sequence
 import tensorflow as tf
 
 from tfdpx import clipping
+from tfdpx import gradients
 
 
 class Unit(abc.ABC):
@@ -24,22 +25,38 @@ class Unit(abc.ABC):
     """`|g_iv|^2`, float32 `[B]` each."""
 
   @abc.abstractmethod
-  def dots(self, directions: Sequence[Optional[tf.Tensor]]
-           ) -> List[Optional[tf.Tensor]]:
-    """`<g_iv, d_jv>` for `[k_v, *shape]` directions (None: not needed)."""
+  def dots(self, directions: Sequence[Optional[tf.Tensor]],
+           rows: gradients.Rows = None) -> List[Optional[tf.Tensor]]:
+    """`<g_iv, d_jv>` for `[k_v, *shape]` directions (None: not needed).
+
+    With `rows`, as in `PerExampleGradients.dots`: `directions[v]` covers the
+    slices `rows[v]` of the first axis (None: the whole variable).
+    """
 
   @abc.abstractmethod
   def masked_sq_norms(self, masks: Sequence[tf.Tensor]) -> List[tf.Tensor]:
     """`|m_v * g_iv|^2`, float32 `[B]` each."""
 
   @abc.abstractmethod
-  def weighted_sum(self, weights: tf.Tensor,
-                   keep: tf.Tensor) -> List[tf.Tensor]:
+  def weighted_sum(self, weights: tf.Tensor, keep: tf.Tensor,
+                   rows: gradients.Rows = None) -> List[tf.Tensor]:
     """`sum_i w_i g_iv` over the rows `keep` (`[B]` bool) keeps.
 
     A row that is not kept contributes nothing, even where it is not finite
-    (a select, never `0 * NaN`).
+    (a select, never `0 * NaN`). With `rows`, only the slices `rows[v]` of
+    each variable's first axis (None: the whole variable).
     """
+
+  def weighted_sums(self, weights: tf.Tensor, keep: tf.Tensor,
+                    rows: gradients.Rows = None) -> List[tf.Tensor]:
+    """`weighted_sum` for each column of `weights` (`[B, K]`): `[K, ...]`.
+
+    One `weighted_sum` per column (K static); a unit with a cheaper form for
+    all columns at once overrides this.
+    """
+    columns = tf.unstack(weights, axis=1)
+    return [tf.stack(sums) for sums in
+            zip(*[self.weighted_sum(w, keep, rows) for w in columns])]
 
   @abc.abstractmethod
   def materialized(self) -> List[tf.Tensor]:
@@ -52,3 +69,11 @@ def weighted_rows(tensor: tf.Tensor, weights: tf.Tensor,
   factor = tf.reshape(tf.cast(weights, tensor.dtype),
                       [-1] + [1] * (tensor.shape.rank - 1))
   return clipping.zero_rows(tensor * factor, keep)
+
+
+def sliced_sums(sums: Sequence[tf.Tensor],
+                rows: gradients.Rows) -> List[tf.Tensor]:
+  """Whole-variable sums restricted to `rows` of their first axis."""
+  if rows is None:
+    return list(sums)
+  return [gradients.slice_rows(s, r, axis=0) for s, r in zip(sums, rows)]

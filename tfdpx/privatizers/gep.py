@@ -94,6 +94,22 @@ def _group_segments(var_sizes: Sequence[int], num_groups: Optional[int],
   return segments
 
 
+def _window(shape: tf.TensorShape, start: int, stop: int
+           ) -> Tuple[Optional[Tuple[int, int]], int, List[int]]:
+  """The slices of a variable's first axis that hold its flat `[start, stop)`.
+
+  Returns `(rows, first, window_shape)`: the range of the first axis (None
+  for a scalar variable), the flat index where it begins, and its shape. The
+  engine then works on those slices only (`PerExampleGradients.dots` and
+  `weighted_sums` with `rows`), not on the whole variable for every group.
+  """
+  if shape.rank == 0:
+    return None, 0, []
+  per_row = int(shape.num_elements()) // shape[0]
+  first, last = start // per_row, -(-stop // per_row)
+  return (first, last), first * per_row, [last - first] + shape.as_list()[1:]
+
+
 def _gather(flat: Sequence[tf.Tensor], segments: Sequence[Segment]
            ) -> tf.Tensor:
   """`[rows, p_j]`: the columns of one group from per-variable `[rows, p_v]`."""
@@ -449,16 +465,20 @@ class GEP(core.Privatizer):
                    segments: Sequence[Sequence[Segment]]) -> List[tf.Tensor]:
     """`A_j^T Y_j` (`[p_j, k_j]`) for each group's `Y_j` (`[m, k_j]`).
 
-    Group by group (weighted sums of the whole variables, of which the group
-    keeps its segments), so one group's `k_j` sums are alive at a time.
+    Group by group (weighted sums of the slices of the variables that hold
+    the group's segments), so one group's `k_j` sums are alive at a time.
     """
     out = []
     for group, w in zip(segments, weights):
-      sums = public.weighted_sums(w)
+      rows, firsts = [None] * len(public.shapes), {}
+      for v, start, stop in group:
+        rows[v], firsts[v], _ = _window(public.shapes[v], start, stop)
+      sums = public.weighted_sums(w, rows)
       dtype = sums[group[0][0]].dtype
       out.append(tf.concat(
-          [tf.transpose(tf.cast(tf.reshape(sums[v], [w.shape[1], -1])[:, a:b],
-                                dtype))
+          [tf.transpose(tf.cast(
+              tf.reshape(sums[v], [w.shape[1], -1])[:, a - firsts[v]:
+                                                    b - firsts[v]], dtype))
            for v, a, b in group], axis=0))
     return out
 
@@ -544,21 +564,24 @@ class GEP(core.Privatizer):
     """`B_j^T g_j` per group, float32 `[B, k_j]`, from per-variable dots.
 
     Group by group, each of its variables gets as directions the basis
-    columns restricted to its segment (zero elsewhere in the variable).
+    columns restricted to its segment, on the slices of the variable's first
+    axis that hold the segment (zero elsewhere in them).
     """
     shapes = grads.shapes
     embeddings = []
     for group, basis in zip(segments, bases):
-      directions = [None] * len(shapes)
+      directions, rows = [None] * len(shapes), [None] * len(shapes)
       offset = 0
       for v, start, stop in group:
-        rows = tf.transpose(basis[offset:offset + stop - start])
-        size = int(shapes[v].num_elements())
+        columns = tf.transpose(basis[offset:offset + stop - start])
+        rows[v], first, window = _window(shapes[v], start, stop)
+        size = math.prod(window)
         directions[v] = tf.reshape(
-            tf.pad(rows, [[0, 0], [start, size - stop]]), [-1, *shapes[v]])
+            tf.pad(columns, [[0, 0], [start - first, first + size - stop]]),
+            [-1, *window])
         offset += stop - start
       embeddings.append(tf.add_n(
-          [d for d in grads.dots(directions) if d is not None]))
+          [d for d in grads.dots(directions, rows) if d is not None]))
     return embeddings
 
   def dp_event(self, step):
