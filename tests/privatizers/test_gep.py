@@ -519,3 +519,12 @@ def test_a_small_residual_of_a_large_gradient_stays_within_its_clip():
     out, _ = privatizer.update(one, {}, KEY, public_grads=public)
     worst = max(worst, np.linalg.norm(_flat([o[np.newaxis] for o in out])))
   assert worst <= 1.0 + 1e-4
+
+
+def test_the_gram_matrix_summed_block_by_block_is_the_whole_one(monkeypatch):
+  gep_module = sys.modules[privatizers.GEP.__module__]
+  matrix = np.random.default_rng(0).normal(size=(50, 4)).astype('float32')
+  monkeypatch.setattr(gep_module, 'GRAM_BLOCK_ROWS', 7)  # 8 blocks, one short.
+  got = gep_module._gram64(tf.constant(matrix)).numpy()
+  want = matrix.astype(np.float64).T @ matrix.astype(np.float64)
+  np.testing.assert_allclose(got, want, rtol=1e-12)

@@ -37,7 +37,7 @@ class EmbeddingUnit(unit.Unit):
     # no XLA kernel); segments past the number of pairs stay empty (zero).
     order = tf.argsort(keys)
     keys = tf.gather(keys, order)
-    first = tf.concat([[True], keys[1:] != keys[:-1]], axis=0)
+    first = tf.concat([[True], tf.not_equal(keys[1:], keys[:-1])], axis=0)
     segment = tf.cumsum(tf.cast(first, tf.int32)) - 1
     slots = tf.size(keys)
     pair = tf.maximum(
@@ -74,14 +74,15 @@ class EmbeddingUnit(unit.Unit):
       return [None]
     ids, inside, _ = self._window(rows[0] if rows else None)
     rows = tf.cast(self._rows, tf.float32)
-    if inside is not None:
-      rows = clipping.zero_rows(rows, inside)
 
     def one(direction):  # One direction at a time: no [k, U, dim] tensor.
       picked = tf.gather(tf.cast(direction, tf.float32), ids)
-      return self._per_example(tf.reduce_sum(picked * rows, axis=1))
+      per_pair = tf.reduce_sum(picked * rows, axis=1)
+      if inside is not None:
+        per_pair = tf.where(inside, per_pair, 0.0)
+      return self._per_example(per_pair)
 
-    dots = tf.map_fn(one, directions[0],
+    dots = tf.map_fn(one, directions[0], parallel_iterations=1,
                      fn_output_signature=tf.TensorSpec([None], tf.float32))
     return [tf.transpose(dots)]
 

@@ -110,6 +110,57 @@ def _window(shape: tf.TensorShape, start: int, stop: int
   return (first, last), first * per_row, [last - first] + shape.as_list()[1:]
 
 
+def _after(tensors: Sequence[tf.Tensor]):
+  """Runs what is built in the context after `tensors` (in a graph).
+
+  The groups are independent, so a graph would run them side by side with
+  all their `[p_j, k_j]` temporaries alive at once (measured: 3x the memory
+  of one group on the text model); chained, one group's are alive at a time.
+  """
+  return tf.control_dependencies(list(tensors))
+
+
+def _embeddings(grads: gradients.PerExampleGradients, basis: tf.Tensor,
+                group: Sequence[Segment]) -> tf.Tensor:
+  """`B_j^T g_j` of one group, float32 `[B, k_j]`, from per-variable dots.
+
+  Each variable of the group gets as directions the basis columns restricted
+  to its segment, on the slices of the variable's first axis that hold the
+  segment (zero elsewhere in them).
+  """
+  shapes = grads.shapes
+  directions, rows = [None] * len(shapes), [None] * len(shapes)
+  offset = 0
+  for v, start, stop in group:
+    columns = tf.transpose(basis[offset:offset + stop - start])
+    rows[v], first, window = _window(shapes[v], start, stop)
+    size = math.prod(window)
+    directions[v] = tf.reshape(
+        tf.pad(columns, [[0, 0], [start - first, first + size - stop]]),
+        [-1, *window])
+    offset += stop - start
+  return tf.add_n([d for d in grads.dots(directions, rows) if d is not None])
+
+
+def _anchor_sums(public: gradients.PerExampleGradients, weights: tf.Tensor,
+                 group: Sequence[Segment]) -> tf.Tensor:
+  """`A_j^T Y_j` (`[p_j, k_j]`) of one group for its `Y_j` (`[m, k_j]`).
+
+  Weighted sums of the slices of the variables that hold the group's
+  segments only.
+  """
+  rows, firsts = [None] * len(public.shapes), {}
+  for v, start, stop in group:
+    rows[v], firsts[v], _ = _window(public.shapes[v], start, stop)
+  sums = public.weighted_sums(weights, rows)
+  dtype = sums[group[0][0]].dtype
+  return tf.concat(
+      [tf.transpose(tf.cast(
+          tf.reshape(sums[v], [weights.shape[1], -1])[:, a - firsts[v]:
+                                                      b - firsts[v]], dtype))
+       for v, a, b in group], axis=0)
+
+
 def _gather(flat: Sequence[tf.Tensor], segments: Sequence[Segment]
            ) -> tf.Tensor:
   """`[rows, p_j]`: the columns of one group from per-variable `[rows, p_v]`."""
@@ -157,8 +208,7 @@ def _orthonormalize(matrix: tf.Tensor) -> tf.Tensor:
   eye = tf.eye(k, dtype=tf.float64)
   q = matrix
   for _ in range(CHOLESKY_QR_PASSES):
-    q64 = tf.cast(q, tf.float64)
-    gram = tf.matmul(q64, q64, transpose_a=True)
+    gram = _gram64(q)
     # The shift dominates float64 rounding of the Gram matrix; its floor keeps
     # an all-zero matrix at zero (R^-1 stays finite in float32).
     shift = 1e-13 * tf.linalg.trace(gram) + 1e-30
@@ -168,10 +218,25 @@ def _orthonormalize(matrix: tf.Tensor) -> tf.Tensor:
   return q
 
 
+# Rows of a `[p, k]` matrix cast to float64 at a time for its Gram matrix:
+# a whole float64 copy of a group's basis is twice the basis (55 MiB per
+# group on the text model's embedding table).
+GRAM_BLOCK_ROWS = 2**16
+
+
+def _gram64(matrix: tf.Tensor) -> tf.Tensor:
+  """`X^T X` (`[k, k]`, float64) of a `[p, k]` matrix, block by block."""
+  total = None
+  for start in range(0, matrix.shape[0], GRAM_BLOCK_ROWS):
+    block = tf.cast(matrix[start:start + GRAM_BLOCK_ROWS], tf.float64)
+    gram = tf.matmul(block, block, transpose_a=True)
+    total = gram if total is None else total + gram
+  return total
+
+
 def _gram(basis: tf.Tensor) -> tf.Tensor:
   """`B^T B` (`[k, k]`, float32) of a `[p, k]` basis, summed in float64."""
-  basis = tf.cast(basis, tf.float64)
-  return tf.cast(tf.matmul(basis, basis, transpose_a=True), tf.float32)
+  return tf.cast(_gram64(basis), tf.float32)
 
 
 def _flat(per_example: Sequence[tf.Tensor]) -> List[tf.Tensor]:
@@ -443,44 +508,23 @@ class GEP(core.Privatizer):
           f'GEP: {num_public} anchor gradients cannot span more than '
           f'{num_public} directions per group; basis sizes {requested} are '
           f'clamped to {ks} (spec §5.2 A6)')
-    # Public randomness: float32 Box-Muller suffices (no privacy rests on
-    # its tails), at half the memory of the noise sampler's float64.
-    omegas = [
-        tf.cast(projections.standard_normal_f32(
+    bases = []
+    for j, (group, size, k) in enumerate(zip(segments, sizes, ks)):
+      with _after(bases[-1:]):
+        # Public randomness: float32 Box-Muller suffices (no privacy rests
+        # on its tails), at half the memory of the noise sampler's float64.
+        basis = tf.cast(projections.standard_normal_f32(
             [size, k], noise.substream(seed, f'gep/basis/{j}')),
-                public.dtypes[group[0][0]])
-        for j, (group, size, k) in enumerate(zip(segments, sizes, ks))]
-    for _ in range(self._power_iterations):
-      # (A^T A) Omega, then orthonormal columns (spec §1.4). A Omega are the
-      # anchors' dots with Omega's columns and A^T Y weighted sums of the
-      # anchors: no [m, p_j] anchor matrix is formed. All-zero anchors give
-      # an all-zero basis, no subspace (spec §5.2 A5).
-      projected = self._embeddings(public, omegas, segments)
-      omegas = [_orthonormalize(x)
-                for x in self._anchor_sums(public, projected, segments)]
-    return omegas
-
-  def _anchor_sums(self, public: gradients.PerExampleGradients,
-                   weights: Sequence[tf.Tensor],
-                   segments: Sequence[Sequence[Segment]]) -> List[tf.Tensor]:
-    """`A_j^T Y_j` (`[p_j, k_j]`) for each group's `Y_j` (`[m, k_j]`).
-
-    Group by group (weighted sums of the slices of the variables that hold
-    the group's segments), so one group's `k_j` sums are alive at a time.
-    """
-    out = []
-    for group, w in zip(segments, weights):
-      rows, firsts = [None] * len(public.shapes), {}
-      for v, start, stop in group:
-        rows[v], firsts[v], _ = _window(public.shapes[v], start, stop)
-      sums = public.weighted_sums(w, rows)
-      dtype = sums[group[0][0]].dtype
-      out.append(tf.concat(
-          [tf.transpose(tf.cast(
-              tf.reshape(sums[v], [w.shape[1], -1])[:, a - firsts[v]:
-                                                    b - firsts[v]], dtype))
-           for v, a, b in group], axis=0))
-    return out
+                        public.dtypes[group[0][0]])
+        for _ in range(self._power_iterations):
+          # (A^T A) Omega, then orthonormal columns (spec §1.4). A Omega are
+          # the anchors' dots with Omega's columns and A^T Y weighted sums of
+          # the anchors: no [m, p_j] anchor matrix is formed. All-zero
+          # anchors give an all-zero basis, no subspace (spec §5.2 A5).
+          basis = _orthonormalize(_anchor_sums(
+              public, _embeddings(public, basis, group), group))
+      bases.append(basis)
+    return bases
 
   def decompose(self, per_example_grads: Sequence[tf.Tensor],
                 bases: Sequence[tf.Tensor], *, residuals: bool = True
@@ -521,7 +565,10 @@ class GEP(core.Privatizer):
           'gradients: one [m, *var.shape] tensor per variable')
     segments = self._segments(shapes)
     bases = self.bases(public, seed)
-    embeddings = self._embeddings(grads, bases, segments)
+    embeddings = []
+    for group, basis in zip(segments, bases):
+      with _after(embeddings[-1:] or bases[-1:]):
+        embeddings.append(_embeddings(grads, basis, group))
     # One global clip per part, over all groups (spec §5.2 A3).
     embedding_factors, embedding_norms = clipping.clip_factors(embeddings,
                                                                self._s1)
@@ -557,32 +604,6 @@ class GEP(core.Privatizer):
       out = [u + r for u, r in zip(out, noisy_residual)]
     out = _scatter(out, segments, shapes)
     return out, state
-
-  def _embeddings(self, grads: gradients.PerExampleGradients,
-                  bases: Sequence[tf.Tensor],
-                  segments: Sequence[Sequence[Segment]]) -> List[tf.Tensor]:
-    """`B_j^T g_j` per group, float32 `[B, k_j]`, from per-variable dots.
-
-    Group by group, each of its variables gets as directions the basis
-    columns restricted to its segment, on the slices of the variable's first
-    axis that hold the segment (zero elsewhere in them).
-    """
-    shapes = grads.shapes
-    embeddings = []
-    for group, basis in zip(segments, bases):
-      directions, rows = [None] * len(shapes), [None] * len(shapes)
-      offset = 0
-      for v, start, stop in group:
-        columns = tf.transpose(basis[offset:offset + stop - start])
-        rows[v], first, window = _window(shapes[v], start, stop)
-        size = math.prod(window)
-        directions[v] = tf.reshape(
-            tf.pad(columns, [[0, 0], [start - first, first + size - stop]]),
-            [-1, *window])
-        offset += stop - start
-      embeddings.append(tf.add_n(
-          [d for d in grads.dots(directions, rows) if d is not None]))
-    return embeddings
 
   def dp_event(self, step):
     del step  # Every step costs the same.
