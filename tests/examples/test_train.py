@@ -17,7 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 TINY = ['train.py', '--dataset=digits', '--train_examples=96',
         '--batch_size=32', '--epochs=1', '--seed=3', '--verbose=0',
         '--learning_rate=0.5']
-PRIVATIZERS = train.FLAGS['privatizer'].parser.enum_values
+PRIVATIZERS = [name for name in train.FLAGS['privatizer'].parser.enum_values
+               if name != 'none']
 
 
 @pytest.mark.parametrize('name', PRIVATIZERS)
@@ -150,3 +151,28 @@ def test_saved_model_loads_and_predicts_without_tfdpx(tmp_path):
                        env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'})
   got = np.array(json.loads(out.stdout.strip().splitlines()[-1]))
   np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_non_private_reference_trains_the_same_model_without_privacy():
+  results = train.run(TINY + ['--privatizer=none', '--epochs=2'])
+  assert results['epsilon'] == float('inf') and not results['private']
+  assert results['steps'] == 2 * 3
+  assert 'no privacy guarantee' in results['statement']
+  assert len(results['history']) == 2
+  with pytest.raises(ValueError, match='--privatizer=none'):
+    train.run(TINY + ['--privatizer=none', '--target_epsilon=3'])
+
+
+def test_validation_examples_are_held_out_of_training(capsys):
+  results = train.run(TINY + ['--noise_multiplier=1.0', '--epochs=2',
+                              '--validation_examples=32', '--progress'])
+  # 64 examples left to train on: q = 32 / 64, two steps per epoch.
+  assert results['steps'] == 2 * 2
+  assert results['epsilon'] == tfdpx.accounting.epsilon(
+      tfdpx.privatizers.gaussian(1.0, 1.0), steps=4,
+      sampling_probability=32 / 64, delta=1e-5)
+  assert 0 <= results['validation_accuracy'] <= 1
+  assert all(set(h) == {'epsilon', 'test_accuracy', 'validation_accuracy'}
+             for h in results['history'])
+  lines = [l for l in capsys.readouterr().out.splitlines() if 'epoch' in l]
+  assert len(lines) == 2 and 'epsilon so far' in lines[1]
