@@ -176,3 +176,11 @@ def test_validation_examples_are_held_out_of_training(capsys):
              for h in results['history'])
   lines = [l for l in capsys.readouterr().out.splitlines() if 'epoch' in l]
   assert len(lines) == 2 and 'epsilon so far' in lines[1]
+
+
+def test_d2p2_back_projection_flag_reaches_the_privatizer():
+  train.FLAGS.unparse_flags()
+  train.FLAGS(['train.py', '--privatizer=d2p2',
+               '--d2p2_back_projection=unbiased'])
+  privatizer = train.build_privatizer(1.0, steps_per_epoch=10)
+  assert privatizer.config['back_projection'] == 'unbiased'
