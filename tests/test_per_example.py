@@ -240,6 +240,11 @@ class _InGraph:
 @pytest.mark.parametrize('name', sorted(MODELS))
 def test_every_statistic_equals_a_loop_of_single_example_tapes(name,
                                                                use_rules):
+  _check_against_the_loop(name, use_rules=use_rules)
+
+
+def _check_against_the_loop(name, **kwargs):
+  """Every statistic of model `name`'s engine against single-example tapes."""
   tf.keras.utils.set_random_seed(1)
   build, make_x = MODELS[name]
   model = build()
@@ -249,7 +254,7 @@ def test_every_statistic_equals_a_loop_of_single_example_tapes(name,
   expected = _loop_reference(model, x, y)
   # Chunks of 2 examples: 3 chunks, the last one padded.
   grads = _InGraph(model, x, lambda outputs: _squared_error(y, outputs),
-                 chunk_size=2, use_rules=use_rules)
+                   chunk_size=2, **kwargs)
   _check_statistics(grads, expected)
 
 
@@ -260,15 +265,7 @@ def test_weighted_sums_of_large_units_equal_the_loop(name, monkeypatch):
   # matmul for Dense on vectors, else a pass per column), not a contraction
   # of their materialized gradients; these models' layers are all small.
   monkeypatch.setattr(per_example, 'SMALL_UNIT_SIZE', 0)
-  tf.keras.utils.set_random_seed(1)
-  build, make_x = MODELS[name]
-  model = build()
-  rng = np.random.default_rng(0)
-  x = make_x(rng)
-  y = rng.normal(size=model(x).shape).astype('float32')
-  grads = _InGraph(model, x, lambda outputs: _squared_error(y, outputs),
-                   chunk_size=2)
-  _check_statistics(grads, _loop_reference(model, x, y))
+  _check_against_the_loop(name)
 
 
 def test_rules_cover_the_ruled_layers_and_skip_what_they_cannot_do():

@@ -33,16 +33,6 @@ Directions = Sequence[Optional[tf.Tensor]]
 Rows = Optional[Sequence[Optional[Tuple[int, int]]]]
 
 
-def pad_rows(direction: tf.Tensor, rows: Optional[Tuple[int, int]],
-             shape: tf.TensorShape) -> tf.Tensor:
-  """`[k, *shape]` directions from ones given on `rows` of the first axis."""
-  if rows is None:
-    return direction
-  start, stop = rows
-  padding = [[0, 0], [start, shape[0] - stop]] + [[0, 0]] * (len(shape) - 1)
-  return tf.pad(direction, padding)
-
-
 def slice_rows(tensor: tf.Tensor, rows: Optional[Tuple[int, int]],
                axis: int = 1) -> tf.Tensor:
   """`tensor` restricted to `rows` of its variable's first axis (`axis`)."""

@@ -287,6 +287,8 @@ class UnitGradients(gradients.PerExampleGradients):
       return contraction(g, rows[i]) if needed[i] else None
 
     def of_unread(i):
+      if not needed[i]:
+        return None
       shape = self._vars[i].shape.as_list()
       if rows[i] is not None:
         shape[0] = rows[i][1] - rows[i][0]

@@ -75,13 +75,15 @@ class EmbeddingUnit(unit.Unit):
     ids, inside, _ = self._window(rows[0] if rows else None)
     rows = tf.cast(self._rows, tf.float32)
 
-    def one(direction):  # One direction at a time: no [k, U, dim] tensor.
+    def one(direction):
       picked = tf.gather(tf.cast(direction, tf.float32), ids)
       per_pair = tf.reduce_sum(picked * rows, axis=1)
       if inside is not None:
         per_pair = tf.where(inside, per_pair, 0.0)
       return self._per_example(per_pair)
 
+    # One direction at a time, no [k, U, dim] tensor: each gathers a [U, dim]
+    # one, as large as the batch's embedding output.
     dots = tf.map_fn(one, directions[0], parallel_iterations=1,
                      fn_output_signature=tf.TensorSpec([None], tf.float32))
     return [tf.transpose(dots)]
