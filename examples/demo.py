@@ -47,8 +47,9 @@ NON_PRIVATE = 'non-private (reference)'
 # training examples, `--validation_examples=500`), never on the test set:
 # 30 epochs at expected batch 500 and clip 1 (DP-SGD's best of 23 settings of
 # epochs, batch, learning rate and clip), then each method's best of 2 or 3
-# learning rates; the non-private model's best of 4 (unclipped gradients
-# diverge at DP-SGD's rates; momentum 0.9). README, "The demo".
+# learning rates (D2P2: of 7 settings of learning rate, projection ratio and
+# gamma); the non-private model's best of 7 (unclipped gradients diverge at
+# DP-SGD's rates; momentum 0.9). README, "The demo".
 RUNS = {
     NON_PRIVATE: (['--privatizer=none', '--learning_rate=0.05',
                    '--momentum=0.9'], 'no privacy: the reference'),
@@ -59,7 +60,8 @@ RUNS = {
     # D2P2 with the structured projection: the dense Gaussian one costs
     # O(d * p) per step, minutes on this CNN and 2 cores.
     'D2P2 (SRHT)': (['--privatizer=d2p2', '--d2p2_projection=srht',
-                     '--d2p2_back_projection=unbiased'], ''),
+                     '--d2p2_back_projection=unbiased',
+                     '--d2p2_projection_ratio=1.0'], ''),
     'GEP': (['--privatizer=gep', '--public_examples=300',
              '--gep_num_bases=50', '--gep_residual_l2_norm_clip=0.2',
              '--learning_rate=2.0'],
