@@ -202,7 +202,7 @@ class ProductUnit(unit.Unit):
     rows = rows or [None] * len(self.variables)
     lo, hi = self._columns(rows[0])
     d = unit.weighted_rows(self._d, weights, keep)
-    a = clipping.zero_rows(self._a(), keep)[..., lo:hi]
+    a = clipping.zero_rows(self._a()[..., lo:hi], keep)
     kernel = tf.reshape(
         tf.matmul(tf.reshape(a, [-1, hi - lo]),
                   tf.reshape(d, [-1, self._out]), transpose_a=True),

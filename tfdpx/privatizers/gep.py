@@ -247,16 +247,16 @@ def _flat(per_example: Sequence[tf.Tensor]) -> List[tf.Tensor]:
 class GEP(core.Privatizer):
   """Gradient embedding perturbation (GEP) and its biased variant (B-GEP).
 
-  Per step (spec §1.3): for each parameter group `j`, one power-method step
-  (or `power_iterations`) on the public anchor gradients `A_j` (`[m, p_j]`)
-  from a fresh Gaussian start gives an orthonormal basis `B_j` of `k_j`
-  directions (`tf.linalg.qr`). Each private per-example gradient `G_i` is split
-  into its embedding `W_i = [G_i B_j^T]_j` (length `K = sum_j k_j`) and the
-  residual `R_i = G_i - W_i B` (from the unclipped embedding). `W_i` is
-  clipped to `embedding_l2_norm_clip` (S1) and `R_i` to `residual_l2_norm_clip`
-  (S2), each as one vector over all groups; both sums get Gaussian noise, and
-  the output is `w~ B + r~` (GEP) or `w~ B` (B-GEP, `biased=True`; the residual
-  is then neither computed nor released).
+  Per step (spec §1.3): for each parameter group `j`, one power-method step (or
+  `power_iterations`) on the public anchor gradients `A_j` (`[m, p_j]`) from a
+  fresh Gaussian start gives an orthonormal basis `B_j` of `k_j` directions
+  (shifted Cholesky QR, `_orthonormalize`). Each private per-example gradient
+  `G_i` is split into its embedding `W_i = [G_i B_j^T]_j` (length
+  `K = sum_j k_j`) and the residual `R_i = G_i - W_i B` (from the unclipped
+  embedding). `W_i` is clipped to `embedding_l2_norm_clip` (S1) and `R_i` to
+  `residual_l2_norm_clip` (S2), each as one vector over all groups; both sums
+  get Gaussian noise, and the output is `w~ B + r~` (GEP) or `w~ B` (B-GEP,
+  `biased=True`; the residual is then neither computed nor released).
 
   The public gradients arrive as `public_grads` in `update`: a
   `tfdpx.gradients.PerExampleGradients` with the private ones' layout (or one
