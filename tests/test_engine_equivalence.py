@@ -14,6 +14,7 @@ import tensorflow as tf
 import tfdpx
 from tests.privatizers.cases import CASES
 from tfdpx import gradients
+from tfdpx import per_example
 from tfdpx.forms import dense as dense_forms
 from tfdpx.keras import recorder
 
@@ -69,8 +70,11 @@ def problem():
   x, x_public = _batch(rng), _batch(rng)
   y = rng.normal(size=(BATCH, 2)).astype('float32')
   engine = _grads(model, x, y)
-  materialized = gradients.MaterializedGradients(engine.materialized())
   public = _grads(model, x_public, y)  # GEP's anchors: the engine's value too.
+  # GEP works in the anchors' coordinates for the groups whose variables all
+  # have cross Gram forms: the reference takes the same forms.
+  materialized = gradients.MaterializedGradients(
+      engine.materialized(), cross_gram_forms=engine.cross_gram_forms(public))
   norms = np.sqrt(gradients.global_sq_norms(materialized).numpy())
   return model, engine, materialized, public, float(np.median(norms))
 
@@ -81,7 +85,8 @@ def test_the_engine_releases_what_materialized_gradients_release(problem,
   model, engine, materialized, public, clip = problem
   assert engine is not materialized
   privatizer = case.make(0.1, clip)  # About half the examples clipped.
-  publics = [public, gradients.MaterializedGradients(public.materialized())]
+  publics = [public, gradients.MaterializedGradients(
+      public.materialized(), cross_gram_forms=public.cross_gram_forms(public))]
   states = [privatizer.init(model.trainable_variables)] * 2
   for step in range(max(case.steps) + 1 + STEPS_PAST_THE_LAST_CHECK):
     key = tf.constant([5, step], tf.int64)
@@ -114,3 +119,62 @@ def test_training_never_forms_per_example_gradients_of_dense_layers(
   rng = np.random.default_rng(0)
   model.fit(rng.normal(size=(8, 7)), rng.normal(size=(8, 2)), batch_size=4,
             verbose=0)
+
+
+def _dense_problem():
+  """A Dense-only model: every GEP group works in the anchors' coordinates."""
+  tf.keras.utils.set_random_seed(4)
+  model = tf.keras.Sequential([tf.keras.Input((7,)),
+                               L.Dense(6, activation='tanh'), L.Dense(2)])
+  rng = np.random.default_rng(1)
+  x, x_public = [rng.normal(size=(BATCH, 7)).astype('float32')
+                 for _ in range(2)]
+  y = rng.normal(size=(BATCH, 2)).astype('float32')
+  return model, _grads(model, x, y), _grads(model, x_public, y)
+
+
+@pytest.mark.parametrize('biased', [False, True], ids=['gep', 'b-gep'])
+def test_gep_in_the_anchors_coordinates_releases_what_materialized_gradients_release(
+    biased):
+  model, engine, public = _dense_problem()
+  assert all(engine.cross_gram_forms(public))
+  assert all(public.cross_gram_forms(public))
+  materialized = gradients.MaterializedGradients(engine.materialized())
+  public_materialized = gradients.MaterializedGradients(public.materialized())
+  clip = float(np.median(np.sqrt(gradients.global_sq_norms(engine).numpy())))
+  privatizer = tfdpx.privatizers.gep(3, clip, clip / 2, 0.1, num_groups=2,
+                                     biased=biased)
+  for step in range(3):
+    key = tf.constant([5, step], tf.int64)
+    outs = [[o.numpy() for o in privatizer.update(
+        grads, {}, key, public_grads=anchors)[0]]
+            for grads, anchors in ((engine, public),
+                                   (materialized, public_materialized))]
+    assert _relative_error(*outs) <= 1e-5, step
+
+
+def test_gep_on_dense_layers_forms_neither_gradients_nor_a_basis(monkeypatch):
+  def refuse(self, *args, **kwargs):
+    raise AssertionError('a Dense layer formed per-example gradients or dots '
+                         'with a basis')
+
+  monkeypatch.setattr(dense_forms.ProductUnit, 'materialized', refuse)
+  monkeypatch.setattr(dense_forms.ProductUnit, 'dots', refuse)
+  # As for a layer of a real size: its sums are not contractions of its
+  # materialized gradients.
+  monkeypatch.setattr(per_example, 'SMALL_UNIT_SIZE', 0)
+  rng = np.random.default_rng(0)
+  public = rng.normal(size=(6, 7)), rng.normal(size=(6, 2))
+  model = tfdpx.keras.make_private(tf.keras.Sequential([
+      tf.keras.Input((7,)), L.Dense(8, activation='relu'), L.Dense(2)]),
+                                   public_data=public)
+  model.compile(
+      tfdpx.keras.DPSGD(privatizer=tfdpx.privatizers.gep(4, 1.0, 0.5, 1.0),
+                        expected_batch_size=4, learning_rate=0.1),
+      tf.keras.losses.MeanSquaredError(reduction='none'))
+  before = [v.numpy() for v in model.trainable_variables]
+  model.fit(rng.normal(size=(8, 7)), rng.normal(size=(8, 2)), batch_size=4,
+            verbose=0)
+  assert all(np.isfinite(v.numpy()).all() for v in model.trainable_variables)
+  assert any((b != v.numpy()).any()
+             for b, v in zip(before, model.trainable_variables))

@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from tfdpx import per_example
 from tfdpx.forms import chunks
+from tfdpx.forms import embedding as embedding_forms
 from tfdpx.keras import layer_rules
 from tfdpx.keras import recorder
 
@@ -382,6 +383,62 @@ def _poisoned(x, row):
   target = next(t for t in x if t.dtype.kind == 'f')
   target.reshape(BATCH, -1)[row, 0] = np.inf
   return x if len(x) > 1 else x[0]
+
+
+# Which variables have cross Gram forms (Dense layers on vectors and
+# embeddings, read once).
+CROSS_GRAM_FORMS = {
+    'dense': [True] * 4,
+    'dense_on_sequences': [False] * 4,
+    'embedding': [True] * 3,
+    'embedding_repeats': [True] * 3,
+    'shared': [False, False, True, True],
+    'mixed': [True] + [False] * 11 + [True] * 4,
+}
+
+
+@pytest.mark.parametrize('join_chunk', [2**15, 3], ids=['one', 'chunks'])
+@pytest.mark.parametrize('name', sorted(CROSS_GRAM_FORMS))
+def test_cross_grams_equal_those_of_the_loop(name, join_chunk, monkeypatch):
+  # An embedding joins the two batches' (example, id) pairs on their ids,
+  # a chunk of joined pairs at a time (3: many chunks, one cut mid-id).
+  monkeypatch.setattr(embedding_forms, 'JOIN_CHUNK', join_chunk)
+  tf.keras.utils.set_random_seed(1)
+  build, make_x = MODELS[name]
+  model = build()
+  rng = np.random.default_rng(0)
+  x, x_other = make_x(rng), make_x(rng)
+  y = rng.normal(size=model(x).shape).astype('float32')
+  y_other = rng.normal(size=y.shape).astype('float32')
+  flat, flat_other = [
+      [g.reshape(BATCH, -1) for g in _loop_reference(model, inputs, targets)]
+      for inputs, targets in ((x, y), (x_other, y_other))]
+  sizes = [f.shape[1] for f in flat]
+  forms = []
+
+  @tf.function
+  def cross_grams(x, x_other, lo, hi):
+    grads, other = [recorder.model_gradients(
+        model, inputs, lambda outputs, t=targets: _squared_error(t, outputs),
+        model.trainable_variables, chunk_size=2).grads
+                    for inputs, targets in ((x, y), (x_other, y_other))]
+    forms[:] = grads.cross_gram_forms(other)
+    spans = [(lo, n - hi if hi is not None else min(3, n)) if form else None
+             for form, n in zip(forms, sizes)]
+    return grads.cross_grams(other, spans, tf.float64)
+
+  # Whole variables, cut inside their first and last rows, or inside the
+  # first row.
+  for lo, hi in ((0, 0), (1, 1), (1, None)):
+    got = cross_grams(x, x_other, lo, hi)
+    assert forms == CROSS_GRAM_FORMS[name]
+    for g, f, f_other, n, form in zip(got, flat, flat_other, sizes, forms):
+      if not form:
+        assert g is None
+        continue
+      a, b = lo, n - hi if hi is not None else min(3, n)
+      np.testing.assert_allclose(g.numpy(), f[:, a:b] @ f_other[:, a:b].T,
+                                 rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize('use_rules', [True, False], ids=['rules', 'fallback'])

@@ -9,7 +9,7 @@ few per-example statistics and one weighted sum (DESIGN.md, "Data flow";
 | DP-SGD, D2P2, GeoDP | `sq_norms` | `weighted_sum` |
 | DPDR | `sq_norms`, `dots` with the base (one direction per variable) | `weighted_sum`, plus the base |
 | RS (around any step) | the inner step's, of `masked(masks)` | the same, masked |
-| GEP | `sq_norms`, `dots` with the k basis vectors of each group | `weighted_sum`, plus the basis |
+| GEP | `sq_norms`, `dots` with the k basis vectors of each group, or `cross_grams` with the anchors | `weighted_sum`, plus the basis |
 
 `PerExampleGradients` is that interface. `MaterializedGradients` answers it
 from `[B, *var.shape]` tensors (the compile path's Jacobian, microbatch
@@ -31,6 +31,8 @@ import tensorflow as tf
 Directions = Sequence[Optional[tf.Tensor]]
 # Per variable, a range `(start, stop)` of its first axis, or None.
 Rows = Optional[Sequence[Optional[Tuple[int, int]]]]
+# Per variable, a range `(start, stop)` of its flattened entries, or None.
+Spans = Sequence[Optional[Tuple[int, int]]]
 
 
 def slice_rows(tensor: tf.Tensor, rows: Optional[Tuple[int, int]],
@@ -126,6 +128,34 @@ class PerExampleGradients(abc.ABC):
     sums = [tf.stack(s) for s in zip(*[self.weighted_sum(w) for w in columns])]
     return _rows_of_sums(sums, rows)
 
+  def cross_gram_forms(self, other: 'PerExampleGradients') -> List[bool]:
+    """Per variable, whether `cross_grams` with `other` can answer for it.
+
+    True where an exact form costs about what the two batches' layer inputs
+    and output gradients cost, without forming either side's per-example
+    gradients (a Dense layer on vectors: `(a a'^T) * (d d'^T)`). Default: none.
+    """
+    del other
+    return [False] * len(self.shapes)
+
+  def cross_grams(self, other: 'PerExampleGradients', spans: Spans,
+                  dtype: tf.DType = tf.float32) -> List[Optional[tf.Tensor]]:
+    """`<g_iv, h_jv>` over a span of each variable, `[B, M]` in `dtype`.
+
+    Args:
+      other: per-example gradients `h` of another batch (`M` rows) with this
+        layout (GEP: the anchors; `other` may be `self`).
+      spans: per variable, the range `(start, stop)` of its flattened entries
+        to take the inner product over, or None for a variable not needed.
+        Only variables with `cross_gram_forms(other)` may have a span.
+      dtype: the dtype the products are formed and summed in.
+
+    Returns:
+      Per variable, a `[B, M]` tensor, or None where `spans` is None.
+    """
+    raise NotImplementedError(
+        f'{type(self).__name__} has no cross Gram forms')
+
   def masked(self, masks: Sequence[tf.Tensor]) -> 'PerExampleGradients':
     """The gradients `m_v * g_iv`, for data-independent masks `m_v`."""
     return MaskedGradients(self, masks)
@@ -147,10 +177,20 @@ def global_sq_norms(grads: PerExampleGradients) -> tf.Tensor:
 class MaterializedGradients(PerExampleGradients):
   """Statistics of explicitly given `[B, *var.shape]` tensors."""
 
-  def __init__(self, per_example_grads: Sequence[tf.Tensor]):
+  def __init__(self, per_example_grads: Sequence[tf.Tensor],
+               cross_gram_forms: Optional[Sequence[bool]] = None):
+    """Args:
+      per_example_grads: one `[B, *var.shape]` tensor per variable.
+      cross_gram_forms: per variable, whether `cross_grams` with other
+        materialized gradients answers for it (default: all). Tests set it to
+        another value's `cross_gram_forms`, so that a privatizer that chooses
+        between forms takes the same one on both.
+    """
     self._grads = [tf.convert_to_tensor(g) for g in per_example_grads]
     if not self._grads:
       raise ValueError('per_example_grads is empty')
+    self._forms = ([True] * len(self._grads) if cross_gram_forms is None
+                   else [bool(f) for f in cross_gram_forms])
 
   @property
   def shapes(self):
@@ -201,6 +241,23 @@ class MaterializedGradients(PerExampleGradients):
 
   def materialized(self):
     return list(self._grads)
+
+  def cross_gram_forms(self, other):
+    if not isinstance(other, MaterializedGradients):
+      return [False] * len(self._grads)
+    return list(self._forms)
+
+  def cross_grams(self, other, spans, dtype=tf.float32):
+    out = []
+    for g, h, span in zip(self._grads, other.materialized(), spans):
+      if span is None:
+        out.append(None)
+        continue
+      start, stop = span
+      out.append(tf.matmul(tf.cast(_flat(g)[:, start:stop], dtype),
+                           tf.cast(_flat(h)[:, start:stop], dtype),
+                           transpose_b=True))
+    return out
 
 
 class MaskedGradients(PerExampleGradients):

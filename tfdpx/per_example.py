@@ -298,6 +298,51 @@ class UnitGradients(gradients.PerExampleGradients):
     return [tf.cast(s, v.dtype) if wanted else None
             for s, v, wanted in zip(sums, self._vars, needed)]
 
+  def _pair(self, i, other: 'UnitGradients'):
+    """`(unit, position, other's unit)` if variable `i` has a cross Gram form
+    with `other`, `()` if neither batch reads it (zero), else None."""
+    mine, theirs = self._readers.get(i), other._readers.get(i)  # pylint: disable=protected-access
+    if mine is None and theirs is None:
+      return ()
+    if (mine is None or theirs is None or len(mine) > 1 or len(theirs) > 1 or
+        mine[0][1] != theirs[0][1] or
+        not mine[0][0].cross_gram_form(theirs[0][0])):
+      return None
+    return mine[0][0], mine[0][1], theirs[0][0]
+
+  def cross_gram_forms(self, other):
+    if not isinstance(other, UnitGradients) or other.shapes != self.shapes:
+      return [False] * len(self._vars)
+    return [self._pair(i, other) is not None for i in range(len(self._vars))]
+
+  def cross_grams(self, other, spans, dtype=tf.float32):
+    forms = self.cross_gram_forms(other)
+    answers = {}  # id(unit) -> that unit's answer for all its spans.
+    out = []
+    for i, span in enumerate(spans):
+      if span is None:
+        out.append(None)
+        continue
+      if not forms[i]:
+        raise ValueError(f'variable {i} ({self._vars[i].name}) has no cross '
+                         'Gram form (check cross_gram_forms first)')
+      pair = self._pair(i, other)
+      if not pair:  # Read by neither batch: zero gradients.
+        out.append(tf.zeros([self._batch, other.batch_size()], dtype))
+        continue
+      unit, position, other_unit = pair
+      if id(unit) not in answers:
+        index = {variable_key(v): j for j, v in enumerate(self._vars)}
+        answers[id(unit)] = unit.cross_grams(other_unit, [
+            spans[index[variable_key(v)]] if variable_key(v) in index
+            else None for v in unit.variables], dtype)
+      out.append(answers[id(unit)][position])
+    # A dropped example (not finite) of either batch has no share.
+    keep = tf.logical_and(self._keep_rows()[:, tf.newaxis],
+                          other._keep_rows()[tf.newaxis, :])  # pylint: disable=protected-access
+    return [None if g is None else tf.where(keep, g, tf.zeros_like(g))
+            for g in out]
+
   def materialized(self):
     keep = self._keep_rows()
 

@@ -13,6 +13,7 @@ positions, `p` = kernel volume x input channels). The bias gradient is
 | `<G_i, V>` | `a^T V d` | chunks of `[c, p, o]` |
 | `\\|M * G_i\\|^2` | `(a*a)^T M (d*d)` | chunks of `[c, p, o]` |
 | `sum_i w_i G_i` | `A^T diag(w) D`, one matmul | the same over all positions, or the layer's own backward pass |
+| `<G_i, H_j>` (another batch) | `(a a'^T) * (d d'^T)` | not offered |
 
 The choice is made from static shapes, once per layer and batch shape.
 """
@@ -234,6 +235,47 @@ class ProductUnit(unit.Unit):
     if self._bias is not None:
       bias = tf.cast(tf.matmul(w, d, transpose_a=True), self._bias.dtype)
       out.append(gradients.slice_rows(bias, rows[1]))
+    return out
+
+  def cross_gram_form(self, other):
+    return (isinstance(other, ProductUnit) and self._steps == 1 and
+            other._steps == 1 and other._kernel is self._kernel and  # pylint: disable=protected-access
+            other._bias is self._bias)  # pylint: disable=protected-access
+
+  def cross_grams(self, other, spans, dtype):
+    """On vectors: `<a d^T, a' d'^T> = (a . a') (d . d')` on each span.
+
+    The kernel's flat entry `q o + c` is row `q` of `A`, column `c` of `D`: a
+    span is whole rows of the kernel plus at most a partial row at each end.
+    """
+    if not self.cross_gram_form(other):
+      raise NotImplementedError('cross Grams need two units on vectors')
+    a, a_other = [tf.cast(u._a()[:, 0], dtype) for u in (self, other)]  # pylint: disable=protected-access
+    d, d_other = [tf.cast(u._d[:, 0], dtype) for u in (self, other)]  # pylint: disable=protected-access
+
+    def gram(rows, columns):
+      """`sum` over kernel rows `rows` and columns `columns` of the products."""
+      (r0, r1), (c0, c1) = rows, columns
+      return (tf.matmul(a[:, r0:r1], a_other[:, r0:r1], transpose_b=True) *
+              tf.matmul(d[:, c0:c1], d_other[:, c0:c1], transpose_b=True))
+
+    out = [None] * len(self.variables)
+    if spans[0] is not None:
+      o = self._out
+      (q0, c0), (q1, c1) = divmod(spans[0][0], o), divmod(spans[0][1], o)
+      if q0 == q1:
+        terms = [gram((q0, q0 + 1), (c0, c1))]
+      else:
+        terms = [gram((q0, q0 + 1), (c0, o))] if c0 else []
+        if q0 + bool(c0) < q1:
+          terms.append(gram((q0 + bool(c0), q1), (0, o)))
+        if c1:
+          terms.append(gram((q1, q1 + 1), (0, c1)))
+      out[0] = tf.add_n(terms)
+    if self._bias is not None and spans[1] is not None:
+      start, stop = spans[1]
+      out[1] = tf.matmul(d[:, start:stop], d_other[:, start:stop],
+                         transpose_b=True)
     return out
 
   def materialized(self):

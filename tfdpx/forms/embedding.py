@@ -6,13 +6,18 @@ the sum of `D_i[t]` over the positions `t` with `ids_i[t] = u`. So each
 (example, id) pair present in the batch is one row `R` of a segment sum, and
 every statistic is a segment sum over those rows. Cost `O(B T dim)` (plus a
 sort of the `B T` ids); a `[B, vocab, dim]` tensor is formed only by
-`materialized()`, the escape hatch.
+`materialized()`, the escape hatch. Inner products with the gradients of
+another batch (`cross_grams`) join the two batches' pairs on their ids.
 """
 
 import tensorflow as tf
 
 from tfdpx import clipping
 from tfdpx.forms import unit
+
+
+# Joined pairs whose rows `cross_grams` gathers at a time.
+JOIN_CHUNK = 2**13
 
 
 class EmbeddingUnit(unit.Unit):
@@ -42,6 +47,7 @@ class EmbeddingUnit(unit.Unit):
     slots = tf.size(keys)
     pair = tf.maximum(
         tf.math.unsorted_segment_max(keys, segment, slots), 0)
+    self._pairs = tf.reduce_sum(tf.cast(first, tf.int32))
     self._example = tf.cast(pair // self._vocab, tf.int32)  # Of each slot.
     self._id = tf.cast(pair % self._vocab, tf.int32)
     self._rows = tf.math.unsorted_segment_sum(
@@ -105,6 +111,111 @@ class EmbeddingUnit(unit.Unit):
     total = tf.math.unsorted_segment_sum(rows * scale[:, tf.newaxis], ids,
                                          size)
     return [tf.cast(total, self._table.dtype)]
+
+  def cross_gram_form(self, other):
+    return isinstance(other, EmbeddingUnit) and other._table is self._table  # pylint: disable=protected-access
+
+  def _ids_in(self, first: int, last: int, absent: int) -> tf.Tensor:
+    """Each slot's id if it holds a pair with an id in `[first, last]`,
+    else `absent`."""
+    slots = tf.range(tf.size(self._id))
+    present = tf.logical_and(
+        slots < self._pairs,
+        tf.logical_and(self._id >= first, self._id <= last))
+    return tf.where(present, self._id, absent)
+
+  def cross_grams(self, other, spans, dtype):
+    """`<g_i, h_j>` over the flat span: a join of the pairs on their ids.
+
+    Every (pair of this batch, pair of `other`) with the same id adds the
+    inner product of their rows to entry `(example, other example)`; a span
+    that starts or stops inside an id's row takes that id's part of the row
+    in a join of its own.
+    """
+    if not self.cross_gram_form(other):
+      raise NotImplementedError('cross Grams need the same embedding table')
+    if spans[0] is None:
+      return [None]
+    start, stop = spans[0]
+    (first, head), (last, tail) = (divmod(start, self._dim),
+                                   divmod(stop, self._dim))
+    if first == last:  # Inside one id's row.
+      return [self._join(other, first, first, head, tail, dtype)]
+    parts = []
+    if head:
+      parts.append(self._join(other, first, first, head, self._dim, dtype))
+      first += 1
+    if first < last:
+      parts.append(self._join(other, first, last - 1, 0, self._dim, dtype))
+    if tail:
+      parts.append(self._join(other, last, last, 0, tail, dtype))
+    return [tf.add_n(parts)]
+
+  def _join(self, other, first, last, lo, hi, dtype):
+    """The cross Gram matrix over ids `[first, last]`, columns `[lo, hi)`.
+
+    The joined pairs are numbered `q = 0 .. total - 1`, my matched pairs'
+    blocks one after another, and taken `JOIN_CHUNK` at a time, one chunk
+    after another: memory does not grow with their number (all examples
+    sharing a frequent token make `B M` joined pairs for it alone). Only
+    sorts, gathers and segment sums: `tf.searchsorted` is quadratic under XLA.
+    """
+    ids = last - first + 1
+    mine, theirs = self._ids_in(first, last, -1), other._ids_in(first, last, -1)  # pylint: disable=protected-access
+    # Their pairs sorted by id (absent last), and where each id's run starts.
+    their_key = tf.where(theirs >= 0, theirs - first, ids)
+    order = tf.argsort(their_key, stable=True)
+    their_counts = tf.math.unsorted_segment_sum(
+        tf.ones_like(their_key), their_key, ids + 1)[:ids]
+    their_starts = tf.cumsum(their_counts, exclusive=True)
+    # My pairs with a match first (in order), then my block of each.
+    my_key = tf.where(mine >= 0, mine - first, 0)
+    counts = tf.where(mine >= 0, tf.gather(their_counts, my_key), 0)
+    matched = tf.argsort(tf.cast(tf.equal(counts, 0), tf.int32), stable=True)
+    counts = tf.gather(counts, matched)
+    runs = tf.gather(their_starts, tf.gather(my_key, matched))
+    blocks = tf.cumsum(counts, exclusive=True)
+    total = tf.reduce_sum(counts)
+    # Past the last pair, blocks that start after any chunk.
+    padded = tf.concat([blocks, tf.fill([JOIN_CHUNK], total + JOIN_CHUNK)], 0)
+    last_pair = tf.size(counts) - 1
+    their_rows, their_examples = other._rows, other._example  # pylint: disable=protected-access
+    size = other._batch  # pylint: disable=protected-access
+
+    def columns(gathered):  # Sliced after the gather: no copy of all rows.
+      if (lo, hi) != (0, self._dim):
+        gathered = gathered[:, lo:hi]
+      return tf.cast(gathered, dtype)
+
+    def chunk(q0, grams):
+      q = q0 + tf.range(JOIN_CHUNK)
+      joined = q < total
+      # The pair whose block holds q0, then one more for each block that
+      # starts inside the chunk (at most JOIN_CHUNK of them).
+      first_pair = tf.reduce_sum(tf.cast(blocks <= q0, tf.int32)) - 1
+      local = tf.slice(padded, [first_pair + 1], [JOIN_CHUNK]) - q0
+      starts = tf.math.unsorted_segment_sum(
+          tf.ones_like(local), tf.where(local < JOIN_CHUNK, local, JOIN_CHUNK),
+          JOIN_CHUNK + 1)[:JOIN_CHUNK]
+      pair = tf.minimum(first_pair + tf.cumsum(starts), last_pair)
+      match = tf.gather(order, tf.where(
+          joined, tf.gather(runs, pair) + q - tf.gather(blocks, pair), 0))
+      mine_slot = tf.gather(matched, pair)
+      products = tf.reduce_sum(
+          columns(tf.gather(self._rows, mine_slot)) *
+          columns(tf.gather(their_rows, match)), axis=1)
+      cell = (tf.gather(self._example, mine_slot) * size +
+              tf.gather(their_examples, match))
+      return q0 + JOIN_CHUNK, grams + tf.math.unsorted_segment_sum(
+          tf.where(joined, products, tf.zeros_like(products)), cell,
+          self._batch * size)
+
+    # One chunk at a time: in parallel their temporaries would all be alive.
+    _, grams = tf.while_loop(
+        lambda q0, _: q0 < total, chunk,
+        [tf.constant(0, total.dtype), tf.zeros([self._batch * size], dtype)],
+        parallel_iterations=1)
+    return tf.reshape(grams, [self._batch, size])
 
   def materialized(self):
     flat = tf.math.unsorted_segment_sum(

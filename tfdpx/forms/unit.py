@@ -62,6 +62,21 @@ class Unit(abc.ABC):
   def materialized(self) -> List[tf.Tensor]:
     """`g_iv` itself, `[B, *shape]` each (the escape hatch)."""
 
+  def cross_gram_form(self, other: 'Unit') -> bool:
+    """Whether `cross_grams` with `other` (the same layer's unit on another
+    batch) has a cheap exact form. Default: no."""
+    del other
+    return False
+
+  def cross_grams(self, other: 'Unit', spans: gradients.Spans,
+                  dtype: tf.DType) -> List[Optional[tf.Tensor]]:
+    """`<g_iv, h_jv>` over `spans[v]` of each variable, `[B, M]` in `dtype`.
+
+    As `PerExampleGradients.cross_grams`, for `h` the gradients of `other`;
+    only where `cross_gram_form(other)`.
+    """
+    raise NotImplementedError(f'{type(self).__name__} has no cross Gram form')
+
 
 def weighted_rows(tensor: tf.Tensor, weights: tf.Tensor,
                   keep: tf.Tensor) -> tf.Tensor:

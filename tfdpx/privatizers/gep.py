@@ -8,7 +8,7 @@ clipped and noised, from the same sampled batch. Spec: shared/specs/gep.md.
 
 import math
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import dp_accounting
 import tensorflow as tf
@@ -161,6 +161,37 @@ def _anchor_sums(public: gradients.PerExampleGradients, weights: tf.Tensor,
        for v, a, b in group], axis=0)
 
 
+def _spans(group: Sequence[Segment], count: int) -> gradients.Spans:
+  """Per variable (of `count`), the flat range the group holds, or None."""
+  spans = [None] * count
+  for v, start, stop in group:
+    spans[v] = (start, stop)
+  return spans
+
+
+def _cross_gram(grads: gradients.PerExampleGradients,
+                anchors: gradients.PerExampleGradients,
+                group: Sequence[Segment], dtype: tf.DType) -> tf.Tensor:
+  """`G_j A_j^T` of one group: `[B, m]` inner products with the anchors."""
+  grams = grads.cross_grams(anchors, _spans(group, len(grads.shapes)), dtype)
+  return tf.add_n([g for g in grams if g is not None])
+
+
+class _Subspace(NamedTuple):
+  """One group's basis `B_j` (`[p_j, k_j]`, orthonormal columns).
+
+  Either `basis` itself, or `B_j = A_j^T W_j` in the anchors' coordinates:
+  `coordinates` `W_j` (float64 `[m, k_j]`) and `anchor_gram` `K_j = A_j
+  A_j^T` (float64 `[m, m]`), when the engine has cross Gram forms for every
+  variable of the group (Dense layers on vectors). The basis is then never
+  formed: `B_j^T g = W_j^T (A_j g)`, `B_j^T B_j = W_j^T K_j W_j`, and `B_j v`
+  is one weighted sum of the anchors.
+  """
+  basis: Optional[tf.Tensor] = None
+  coordinates: Optional[tf.Tensor] = None
+  anchor_gram: Optional[tf.Tensor] = None
+
+
 def _gather(flat: Sequence[tf.Tensor], segments: Sequence[Segment]
            ) -> tf.Tensor:
   """`[rows, p_j]`: the columns of one group from per-variable `[rows, p_v]`."""
@@ -192,6 +223,18 @@ def _scatter(group_vectors: Sequence[tf.Tensor],
 CHOLESKY_QR_PASSES = 3
 
 
+def _inverse_factor(gram: tf.Tensor) -> tf.Tensor:
+  """`L^-1` (float64 `[k, k]`) for `L L^T = gram + s I`, `R = L^T`.
+
+  The shift `s` dominates float64 rounding of the Gram matrix; its floor
+  keeps an all-zero matrix at zero (`R^-1` stays finite in float32).
+  """
+  eye = tf.eye(gram.shape[-1], dtype=tf.float64)
+  shift = 1e-13 * tf.linalg.trace(gram) + 1e-30
+  lower = tf.linalg.cholesky(gram + shift * eye)
+  return tf.linalg.triangular_solve(lower, eye, lower=True)
+
+
 def _orthonormalize(matrix: tf.Tensor) -> tf.Tensor:
   """Orthonormal columns spanning `matrix`'s columns, as in its QR factor.
 
@@ -204,18 +247,65 @@ def _orthonormalize(matrix: tf.Tensor) -> tf.Tensor:
   anchors) can leave columns that are not orthonormal: `update` never relies
   on orthonormality for privacy (the residual norm uses `B^T B`).
   """
-  k = matrix.shape[-1]
-  eye = tf.eye(k, dtype=tf.float64)
   q = matrix
   for _ in range(CHOLESKY_QR_PASSES):
-    gram = _gram64(q)
-    # The shift dominates float64 rounding of the Gram matrix; its floor keeps
-    # an all-zero matrix at zero (R^-1 stays finite in float32).
-    shift = 1e-13 * tf.linalg.trace(gram) + 1e-30
-    lower = tf.linalg.cholesky(gram + shift * eye)  # R = lower^T.
-    inverse = tf.linalg.triangular_solve(lower, eye, lower=True)
-    q = tf.matmul(q, tf.cast(inverse, q.dtype), transpose_b=True)
+    q = tf.matmul(q, tf.cast(_inverse_factor(_gram64(q)), q.dtype),
+                  transpose_b=True)
   return q
+
+
+# Rows of the diagonal blocks `_cholesky` factors one at a time.
+CHOLESKY_BLOCK = 64
+
+
+def _cholesky(matrix: tf.Tensor) -> tf.Tensor:
+  """`tf.linalg.cholesky` of an `[m, m]` matrix, by blocks of 64 rows.
+
+  The same factor (right-looking blocked Cholesky: each diagonal block, then
+  a triangular solve for the panel below it). XLA's CPU kernel takes 45 ms
+  for m = 256 against 1.3 ms for m = 64 (2-core machine); unchanged without
+  XLA.
+  """
+  m = matrix.shape[0]
+  if m is None or m <= CHOLESKY_BLOCK:
+    return tf.linalg.cholesky(matrix)
+  columns = []  # Each block column of the factor, rows j*b onwards.
+  for start in range(0, m, CHOLESKY_BLOCK):
+    stop = min(m, start + CHOLESKY_BLOCK)
+    panel = matrix[start:, start:stop]
+    for column in columns:  # Minus the blocks to the left: L_i L_j^T.
+      done = m - column.shape[0]
+      panel -= tf.matmul(column[start - done:],
+                         column[start - done:stop - done], transpose_b=True)
+    diagonal = tf.linalg.cholesky(panel[:stop - start])
+    below = tf.transpose(tf.linalg.triangular_solve(
+        diagonal, tf.transpose(panel[stop - start:]), lower=True))
+    columns.append(tf.concat([diagonal, below], axis=0))
+  return tf.concat([tf.pad(c, [[m - c.shape[0], 0], [0, 0]]) for c in columns],
+                   axis=1)
+
+
+# Relative shift of the anchors' Gram matrix `K` in their coordinates: far
+# above float64 rounding of `K` (so that `K + s I` is positive definite
+# whatever the anchors), far below any direction the basis keeps.
+ANCHOR_GRAM_SHIFT = 1e-12
+# Largest `|A|_F |w_c|` of a basis column kept in the anchors' coordinates.
+MAX_AMPLIFICATION = 2.0**10
+
+
+def _orthonormalize_coordinates(anchor_gram: tf.Tensor,
+                                coordinates: tf.Tensor) -> tf.Tensor:
+  """`_orthonormalize(A^T W)` as `A^T W'`: returns `W'` (float64 `[m, k]`).
+
+  The same passes, with the Gram matrix of `A^T W` taken as `W^T K W` (`K =
+  A A^T`): the `R` factor, and so the basis, is the one `_orthonormalize`
+  gives, at a cost in `m` (anchors), not in `p_j` (parameters).
+  """
+  w = coordinates
+  for _ in range(CHOLESKY_QR_PASSES):
+    gram = tf.matmul(w, tf.matmul(anchor_gram, w), transpose_a=True)
+    w = tf.matmul(w, _inverse_factor(gram), transpose_b=True)
+  return w
 
 
 # Rows of a `[p, k]` matrix cast to float64 at a time for its Gram matrix:
@@ -234,13 +324,28 @@ def _gram64(matrix: tf.Tensor) -> tf.Tensor:
   return total
 
 
-def _gram(basis: tf.Tensor) -> tf.Tensor:
-  """`B^T B` (`[k, k]`, float32) of a `[p, k]` basis, summed in float64."""
-  return tf.cast(_gram64(basis), tf.float32)
-
-
 def _flat(per_example: Sequence[tf.Tensor]) -> List[tf.Tensor]:
   return [tf.reshape(g, [tf.shape(g)[0], -1]) for g in per_example]
+
+
+def _basis_gram(sub: _Subspace) -> tf.Tensor:
+  """`B^T B` (`[k, k]`, float32) of a group's basis, summed in float64."""
+  if sub.basis is not None:
+    return tf.cast(_gram64(sub.basis), tf.float32)
+  return tf.cast(tf.matmul(sub.coordinates,
+                           tf.matmul(sub.anchor_gram, sub.coordinates),
+                           transpose_a=True), tf.float32)
+
+
+def _lift(public: gradients.PerExampleGradients, sub: _Subspace,
+          group: Sequence[Segment], vector: tf.Tensor) -> tf.Tensor:
+  """`B_j v` (`[p_j]`) for `v` (`[k_j]`): of the basis, or of the anchors."""
+  if sub.basis is not None:
+    return tf.linalg.matvec(sub.basis, tf.cast(vector, sub.basis.dtype))
+  weights = tf.linalg.matvec(sub.coordinates, tf.cast(vector, tf.float64))
+  dtype = public.dtypes[group[0][0]]
+  return _anchor_sums(public, tf.cast(weights, dtype)[:, tf.newaxis],
+                      group)[:, 0]
 
 
 @core.register
@@ -480,24 +585,18 @@ class GEP(core.Privatizer):
     sizes = [int(s.num_elements()) for s in shapes]
     return _group_segments(sizes, self._num_groups, self._groups)
 
-  def bases(self, public_grads, seed: tf.Tensor) -> List[tf.Tensor]:
-    """The orthonormal basis of each group, from public data only.
+  def _gram_groups(self, segments, grads, public) -> List[bool]:
+    """Per group, whether it works in the anchors' coordinates (`_Subspace`):
+    when the private and the anchor gradients have cross Gram forms for all
+    its variables."""
+    private, anchors = (grads.cross_gram_forms(public),
+                        public.cross_gram_forms(public))
+    return [all(private[v] and anchors[v] for v, _, _ in group)
+            for group in segments]
 
-    Args:
-      public_grads: the anchors' per-example gradients: a
-        `tfdpx.gradients.PerExampleGradients` (a model made private hands its
-        engine's) or one `[m, *var.shape]` tensor per variable.
-      seed: the step's int64 `[2]` seed; the power method's Gaussian start of
-        group j comes from its public substream "gep/basis/j", never from a
-        noise stream.
-
-    Returns:
-      One `[p_j, k_j]` tensor per group with orthonormal columns (`B_j^T`),
-      or all zeros for a group whose anchor gradients are all zero (that group
-      is then residual-only).
-    """
-    public = gradients.as_per_example_gradients(public_grads)
-    segments = self._segments(public.shapes)
+  def _subspaces(self, public, seed, segments, gram_groups
+                ) -> List[_Subspace]:
+    """Each group's basis from public data only (see `bases`)."""
     num_public = tf.get_static_value(public.batch_size())
     sizes = [sum(stop - start for _, start, stop in group)
              for group in segments]
@@ -508,23 +607,84 @@ class GEP(core.Privatizer):
           f'GEP: {num_public} anchor gradients cannot span more than '
           f'{num_public} directions per group; basis sizes {requested} are '
           f'clamped to {ks} (spec §5.2 A6)')
-    bases = []
+    subspaces = []
     for j, (group, size, k) in enumerate(zip(segments, sizes, ks)):
-      with _after(bases[-1:]):
-        # Public randomness: float32 Box-Muller suffices (no privacy rests
-        # on its tails), at half the memory of the noise sampler's float64.
-        basis = tf.cast(projections.standard_normal_f32(
-            [size, k], noise.substream(seed, f'gep/basis/{j}')),
+      stream = noise.substream(seed, f'gep/basis/{j}')
+      with _after([t for t in (subspaces[-1] if subspaces else ())
+                   if t is not None]):
+        # One power-method step (or more) from a Gaussian start, then
+        # orthonormal columns (spec §1.4). All-zero anchors give an all-zero
+        # basis, no subspace (spec §5.2 A5). Public randomness: float32
+        # Box-Muller suffices (no privacy rests on its tails).
+        if gram_groups[j]:
+          # A Omega (Omega Gaussian, [p_j, k_j]) has independent N(0, K)
+          # columns, K = A A^T: drawn as L Z with L L^T = K, Z Gaussian
+          # [m, k_j], neither Omega nor A Omega formed. Then A^T Y is A^T W.
+          gram = _cross_gram(public, public, group, tf.float64)
+          # K + s I: positive definite, so that directions K does not
+          # resolve (dependent anchors) come out as near-zero columns of the
+          # basis instead of a failed factorization.
+          shifted = gram + (ANCHOR_GRAM_SHIFT * tf.linalg.trace(gram) + 1e-30
+                           ) * tf.eye(tf.shape(gram)[0], dtype=tf.float64)
+          w = tf.matmul(_cholesky(shifted), tf.cast(
+              projections.standard_normal_f32(
+                  tf.stack([tf.shape(gram)[0], k]), stream), tf.float64))
+          for step in range(self._power_iterations):
+            if step:
+              w = tf.matmul(gram, w)  # A B = A A^T W.
+            w = _orthonormalize_coordinates(shifted, w)
+          # A column of B = A^T W is one of |A|_F |w_c| times the anchors'
+          # scale; past MAX_AMPLIFICATION it is a direction the anchors do
+          # not span (below 2^-20 of their energy, or not at all) and would
+          # only carry rounding of that size: it is dropped (zero).
+          resolved = (tf.linalg.trace(gram) * tf.reduce_sum(tf.square(w), 0)
+                      <= MAX_AMPLIFICATION**2)
+          w *= tf.cast(resolved, tf.float64)[tf.newaxis]
+          subspaces.append(_Subspace(coordinates=w, anchor_gram=gram))
+          continue
+        basis = tf.cast(projections.standard_normal_f32([size, k], stream),
                         public.dtypes[group[0][0]])
         for _ in range(self._power_iterations):
-          # (A^T A) Omega, then orthonormal columns (spec §1.4). A Omega are
-          # the anchors' dots with Omega's columns and A^T Y weighted sums of
-          # the anchors: no [m, p_j] anchor matrix is formed. All-zero
-          # anchors give an all-zero basis, no subspace (spec §5.2 A5).
+          # (A^T A) Omega: A Omega are the anchors' dots with Omega's columns
+          # and A^T Y weighted sums of the anchors: no [m, p_j] anchor
+          # matrix is formed.
           basis = _orthonormalize(_anchor_sums(
               public, _embeddings(public, basis, group), group))
-      bases.append(basis)
-    return bases
+        subspaces.append(_Subspace(basis=basis))
+    return subspaces
+
+  def bases(self, public_grads, seed: tf.Tensor,
+            per_example_grads=None) -> List[tf.Tensor]:
+    """The orthonormal basis of each group, from public data only.
+
+    Args:
+      public_grads: the anchors' per-example gradients: a
+        `tfdpx.gradients.PerExampleGradients` (a model made private hands its
+        engine's) or one `[m, *var.shape]` tensor per variable.
+      seed: the step's int64 `[2]` seed; the power method's Gaussian start of
+        group j comes from its public substream "gep/basis/j", never from a
+        noise stream.
+      per_example_grads: the private gradients `update` gets with them
+        (default: gradients of the anchors' kind). Only their cross Gram forms
+        matter: they decide which groups work in the anchors' coordinates,
+        which draws a different (equally distributed) Gaussian start.
+
+    Returns:
+      One `[p_j, k_j]` tensor per group with orthonormal columns (`B_j^T`),
+      or all zeros for a group whose anchor gradients are all zero (that group
+      is then residual-only). Formed here for inspection; `update` forms no
+      basis of a group that works in the anchors' coordinates.
+    """
+    public = gradients.as_per_example_gradients(public_grads)
+    grads = (public if per_example_grads is None else
+             gradients.as_per_example_gradients(per_example_grads))
+    segments = self._segments(public.shapes)
+    subspaces = self._subspaces(public, seed, segments,
+                                self._gram_groups(segments, grads, public))
+    return [sub.basis if sub.basis is not None else
+            _anchor_sums(public, tf.cast(sub.coordinates,
+                                         public.dtypes[group[0][0]]), group)
+            for sub, group in zip(subspaces, segments)]
 
   def decompose(self, per_example_grads: Sequence[tf.Tensor],
                 bases: Sequence[tf.Tensor], *, residuals: bool = True
@@ -564,46 +724,61 @@ class GEP(core.Privatizer):
           'public_grads must have the layout of the private per-example '
           'gradients: one [m, *var.shape] tensor per variable')
     segments = self._segments(shapes)
-    bases = self.bases(public, seed)
+    subspaces = self._subspaces(public, seed, segments,
+                                self._gram_groups(segments, grads, public))
     embeddings = []
-    for group, basis in zip(segments, bases):
-      with _after(embeddings[-1:] or bases[-1:]):
-        embeddings.append(_embeddings(grads, basis, group))
+    for group, sub in zip(segments, subspaces):
+      with _after(embeddings[-1:] or [t for t in subspaces[-1]
+                                      if t is not None]):
+        if sub.basis is not None:
+          embeddings.append(_embeddings(grads, sub.basis, group))
+        else:  # B^T g = W^T (A g).
+          embeddings.append(tf.cast(tf.matmul(
+              tf.cast(_cross_gram(grads, public, group, tf.float32),
+                      tf.float64), sub.coordinates), tf.float32))
     # One global clip per part, over all groups (spec §5.2 A3).
     embedding_factors, embedding_norms = clipping.clip_factors(embeddings,
                                                                self._s1)
     noisy_embedding = noise.add_gaussian(
         noise.batch_sum(embeddings, embedding_factors), self._s1,
         self._sigma1, noise.substream(seed, 'gep/embedding'))
-    out = [tf.linalg.matvec(basis, tf.cast(w, basis.dtype))
-           for basis, w in zip(bases, noisy_embedding)]
-    if not self._biased:
-      # The residual r = g - B w (w = B^T g, the unclipped embedding, spec
-      # §5.2 A4) is never formed: |r|^2 = |g|^2 - 2 |w|^2 + w^T (B^T B) w,
-      # exact whether or not B's columns came out orthonormal, and the
-      # clipped sum of r is the weighted sum of g minus B times the weighted
-      # sum of the embeddings.
-      sq_norms = gradients.global_sq_norms(grads)
-      residual_sq = sq_norms - 2.0 * tf.square(embedding_norms) + tf.add_n([
-          tf.reduce_sum(w * tf.matmul(w, _gram(basis)), axis=1)
-          for w, basis in zip(embeddings, bases)])
-      factors = clipping.bound_for_subtraction(
-          clipping.clip_factor(clipping.part_norms(residual_sq, sq_norms),
-                               self._s2),
-          tf.sqrt(sq_norms), self._s2)
-      flat_sum = _flat([s[tf.newaxis] for s in noise.batch_sum(grads,
-                                                                factors)])
-      residual_sum = [
-          _gather(flat_sum, group)[0] -
-          tf.linalg.matvec(basis, tf.cast(w, basis.dtype))
-          for group, basis, w in zip(segments, bases,
-                                     noise.batch_sum(embeddings, factors))]
-      noisy_residual = noise.add_gaussian(
-          residual_sum, self._s2, self._sigma2,
-          noise.substream(seed, 'gep/residual'))
-      out = [u + r for u, r in zip(out, noisy_residual)]
-    out = _scatter(out, segments, shapes)
-    return out, state
+    if self._biased:
+      return _scatter([_lift(public, sub, group, w) for sub, group, w in
+                       zip(subspaces, segments, noisy_embedding)],
+                      segments, shapes), state
+    # The residual r = g - B w (w = B^T g, the unclipped embedding, spec
+    # §5.2 A4) is never formed: |r|^2 = |g|^2 - 2 |w|^2 + w^T (B^T B) w,
+    # exact whether or not B's columns came out orthonormal, and the clipped
+    # sum of r is the weighted sum of g minus B times the weighted sum of the
+    # embeddings. Those terms round at the scale of |g| + |B w|_A, where
+    # `|B w|_A = |A|_F |W w|` bounds them for a basis in the anchors'
+    # coordinates (|B w| for an explicit one, at most |g|).
+    sq_norms = gradients.global_sq_norms(grads)
+    residual_sq = sq_norms - 2.0 * tf.square(embedding_norms) + tf.add_n([
+        tf.reduce_sum(w * tf.matmul(w, _basis_gram(sub)), axis=1)
+        for w, sub in zip(embeddings, subspaces)])
+    scale = tf.sqrt(sq_norms)
+    for w, sub in zip(embeddings, subspaces):
+      if sub.basis is None:
+        scale += tf.cast(
+            tf.sqrt(tf.linalg.trace(sub.anchor_gram)) *
+            tf.norm(tf.matmul(tf.cast(w, tf.float64), sub.coordinates,
+                              transpose_b=True), axis=1), tf.float32)
+    factors = clipping.bound_for_subtraction(
+        clipping.clip_factor(
+            clipping.part_norms(residual_sq, tf.square(scale)), self._s2),
+        scale, self._s2)
+    flat_sum = _flat([s[tf.newaxis] for s in noise.batch_sum(grads, factors)])
+    noisy_sums = noise.add_gaussian(
+        [_gather(flat_sum, group)[0] for group in segments], self._s2,
+        self._sigma2, noise.substream(seed, 'gep/residual'))
+    # Released: noisy sum of g + B (noisy embedding sum - clipped-residual
+    # weighted sum of w), the embedding release plus the residual release.
+    out = [s + _lift(public, sub, group, e - w)
+           for s, sub, group, e, w in zip(
+               noisy_sums, subspaces, segments, noisy_embedding,
+               noise.batch_sum(embeddings, factors))]
+    return _scatter(out, segments, shapes), state
 
   def dp_event(self, step):
     del step  # Every step costs the same.
