@@ -183,9 +183,9 @@ class _Subspace(NamedTuple):
   Either `basis` itself, or `B_j = A_j^T W_j` in the anchors' coordinates:
   `coordinates` `W_j` (float64 `[m, k_j]`) and `anchor_gram` `K_j = A_j
   A_j^T` (float64 `[m, m]`), when the engine has cross Gram forms for every
-  variable of the group (Dense layers on vectors). The basis is then never
-  formed: `B_j^T g = W_j^T (A_j g)`, `B_j^T B_j = W_j^T K_j W_j`, and `B_j v`
-  is one weighted sum of the anchors.
+  variable of the group (Dense layers on vectors, embeddings). The basis is
+  then never formed: `B_j^T g = W_j^T (A_j g)`, `B_j^T B_j = W_j^T K_j W_j`,
+  and `B_j v` is one weighted sum of the anchors.
   """
   basis: Optional[tf.Tensor] = None
   coordinates: Optional[tf.Tensor] = None
@@ -355,7 +355,10 @@ class GEP(core.Privatizer):
   Per step (spec §1.3): for each parameter group `j`, one power-method step (or
   `power_iterations`) on the public anchor gradients `A_j` (`[m, p_j]`) from a
   fresh Gaussian start gives an orthonormal basis `B_j` of `k_j` directions
-  (shifted Cholesky QR, `_orthonormalize`). Each private per-example gradient
+  (shifted Cholesky QR, `_orthonormalize`). Where the engine has cross Gram
+  forms for every variable of the group (Dense layers on vectors,
+  embeddings), the group works in the anchors' coordinates instead
+  (`_Subspace`, docs/gep.md): `B_j = A_j^T W_j`, never formed. Each private per-example gradient
   `G_i` is split into its embedding `W_i = [G_i B_j^T]_j` (length
   `K = sum_j k_j`) and the residual `R_i = G_i - W_i B` (from the unclipped
   embedding). `W_i` is clipped to `embedding_l2_norm_clip` (S1) and `R_i` to
@@ -390,7 +393,9 @@ class GEP(core.Privatizer):
     S2 (`clipping.bound_for_subtraction`; a scaling by at most 1, so the
     sensitivities are unchanged). The residual's norm, a difference of
     squared norms rounded at the scale of |g|^2, is rounded up by
-    `2^-16 |g|^2` (`clipping.part_norms`), so its clip holds in float32.
+    `2^-16 |g|^2` (`clipping.part_norms`), so its clip holds in float32; in
+    the anchors' coordinates `|g|` is replaced by `|g| + |A_j|_F |W_j w|`
+    in both bounds, the scale of the terms there.
 
   References:
     Yu, Zhang, Chen, Liu, "Do Not Let Privacy Overbill Utility: Gradient
@@ -663,7 +668,8 @@ class GEP(core.Privatizer):
         engine's) or one `[m, *var.shape]` tensor per variable.
       seed: the step's int64 `[2]` seed; the power method's Gaussian start of
         group j comes from its public substream "gep/basis/j", never from a
-        noise stream.
+        noise stream (`[p_j, k_j]` draws, or `[m, k_j]` in the anchors'
+        coordinates).
       per_example_grads: the private gradients `update` gets with them
         (default: gradients of the anchors' kind). Only their cross Gram forms
         matter: they decide which groups work in the anchors' coordinates,
@@ -750,9 +756,11 @@ class GEP(core.Privatizer):
     # §5.2 A4) is never formed: |r|^2 = |g|^2 - 2 |w|^2 + w^T (B^T B) w,
     # exact whether or not B's columns came out orthonormal, and the clipped
     # sum of r is the weighted sum of g minus B times the weighted sum of the
-    # embeddings. Those terms round at the scale of |g| + |B w|_A, where
-    # `|B w|_A = |A|_F |W w|` bounds them for a basis in the anchors'
-    # coordinates (|B w| for an explicit one, at most |g|).
+    # embeddings. Those terms round at the scale of |g| for an explicit
+    # (orthonormal) basis, and of |g| + |A|_F |W w| for a basis in the
+    # anchors' coordinates (w^T W^T C_i and w^T W^T K W w are sums over the
+    # anchors of terms up to that size): the residual norm is rounded up, and
+    # the subtraction bounded, at that scale.
     sq_norms = gradients.global_sq_norms(grads)
     residual_sq = sq_norms - 2.0 * tf.square(embedding_norms) + tf.add_n([
         tf.reduce_sum(w * tf.matmul(w, _basis_gram(sub)), axis=1)
