@@ -39,7 +39,7 @@ flags.DEFINE_list('models', ['cnn', 'mlp', 'text', 'transformer', 'cifar_cnn'],
                   'Models to time.')
 flags.DEFINE_list('batches', ['256'], 'Batch sizes.')
 flags.DEFINE_integer('steps', 8, 'Steps per timed fit call.')
-flags.DEFINE_integer('repetitions', 3, 'Timed rounds; the fastest counts.')
+flags.DEFINE_integer('repetitions', 5, 'Timed rounds; the fastest counts.')
 flags.DEFINE_list('privatizers', None,
                   'Privatizers run via make_private (default: all).')
 flags.DEFINE_list(

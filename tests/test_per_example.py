@@ -441,6 +441,33 @@ def test_cross_grams_equal_those_of_the_loop(name, join_chunk, monkeypatch):
                                  rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize('name', ['dense', 'embedding'])
+def test_a_non_finite_example_has_no_share_in_cross_grams(name):
+  tf.keras.utils.set_random_seed(1)
+  build, make_x = MODELS[name]
+  model = build()
+  rng = np.random.default_rng(0)
+  x = make_x(rng)
+  y = rng.normal(size=model(x).shape).astype('float32')
+  bad = 2
+  flat = [g.reshape(BATCH, -1) for g in _loop_reference(model, x, y)]
+  for f in flat:
+    f[bad] = 0.0
+  y_bad = y.copy()
+  y_bad[bad] = np.nan  # A NaN loss: every gradient of that example is NaN.
+
+  @tf.function
+  def self_grams(x):
+    grads = recorder.model_gradients(
+        model, x, lambda outputs: _squared_error(y_bad, outputs),
+        model.trainable_variables).grads
+    return grads.cross_grams(
+        grads, [(0, f.shape[1]) for f in flat], tf.float64)
+
+  for got, f in zip(self_grams(x), flat):
+    np.testing.assert_allclose(got.numpy(), f @ f.T, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize('use_rules', [True, False], ids=['rules', 'fallback'])
 @pytest.mark.parametrize('name', ['dense', 'dense_on_short_sequences',
                                   'conv2d', 'layer_norm', 'mixed'])
