@@ -244,14 +244,20 @@ def test_every_statistic_equals_a_loop_of_single_example_tapes(name,
   _check_against_the_loop(name, use_rules=use_rules)
 
 
-def _check_against_the_loop(name, **kwargs):
-  """Every statistic of model `name`'s engine against single-example tapes."""
+def _problem(name):
+  """Model `name` (seeded), a batch of its inputs, random targets, the rng."""
   tf.keras.utils.set_random_seed(1)
   build, make_x = MODELS[name]
   model = build()
   rng = np.random.default_rng(0)
   x = make_x(rng)
   y = rng.normal(size=model(x).shape).astype('float32')
+  return model, x, y, rng
+
+
+def _check_against_the_loop(name, **kwargs):
+  """Every statistic of model `name`'s engine against single-example tapes."""
+  model, x, y, _ = _problem(name)
   expected = _loop_reference(model, x, y)
   # Chunks of 2 examples: 3 chunks, the last one padded.
   grads = _InGraph(model, x, lambda outputs: _squared_error(y, outputs),
@@ -403,12 +409,8 @@ def test_cross_grams_equal_those_of_the_loop(name, join_chunk, monkeypatch):
   # An embedding joins the two batches' (example, id) pairs on their ids,
   # a chunk of joined pairs at a time (3: many chunks, one cut mid-id).
   monkeypatch.setattr(embedding_forms, 'JOIN_CHUNK', join_chunk)
-  tf.keras.utils.set_random_seed(1)
-  build, make_x = MODELS[name]
-  model = build()
-  rng = np.random.default_rng(0)
-  x, x_other = make_x(rng), make_x(rng)
-  y = rng.normal(size=model(x).shape).astype('float32')
+  model, x, y, rng = _problem(name)
+  x_other = MODELS[name][1](rng)
   y_other = rng.normal(size=y.shape).astype('float32')
   flat, flat_other = [
       [g.reshape(BATCH, -1) for g in _loop_reference(model, inputs, targets)]
@@ -443,12 +445,7 @@ def test_cross_grams_equal_those_of_the_loop(name, join_chunk, monkeypatch):
 
 @pytest.mark.parametrize('name', ['dense', 'embedding'])
 def test_a_non_finite_example_has_no_share_in_cross_grams(name):
-  tf.keras.utils.set_random_seed(1)
-  build, make_x = MODELS[name]
-  model = build()
-  rng = np.random.default_rng(0)
-  x = make_x(rng)
-  y = rng.normal(size=model(x).shape).astype('float32')
+  model, x, y, _ = _problem(name)
   bad = 2
   flat = [g.reshape(BATCH, -1) for g in _loop_reference(model, x, y)]
   for f in flat:
@@ -474,12 +471,7 @@ def test_a_non_finite_example_has_no_share_in_cross_grams(name):
 @pytest.mark.parametrize('cause', ['inf_input', 'nan_loss'])
 def test_a_non_finite_example_is_dropped_and_the_others_are_untouched(
     cause, name, use_rules):
-  tf.keras.utils.set_random_seed(1)
-  build, make_x = MODELS[name]
-  model = build()
-  rng = np.random.default_rng(0)
-  x = make_x(rng)
-  y = rng.normal(size=model(x).shape).astype('float32')
+  model, x, y, _ = _problem(name)
   expected = _loop_reference(model, x, y)
   bad = 2
   if cause == 'inf_input':
