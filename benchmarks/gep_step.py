@@ -69,16 +69,29 @@ def child(method, part, steps):
   """Measures one (method, part); prints one JSON line."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from benchmarks import gep_setup  # pylint: disable=g-import-not-at-top
+  from examples import datasets  # pylint: disable=g-import-not-at-top
+  from examples import models  # pylint: disable=g-import-not-at-top
   from tfdpx import privatizers  # pylint: disable=g-import-not-at-top
 
-  x, y = gep_setup.mnist()
+  x, y, _, _, num_classes = datasets.load('mnist5k')
   rng = np.random.default_rng(0)
   x_priv, y_priv = tf.constant(x[:BATCH]), tf.constant(y[:BATCH])
   x_pub = tf.constant(x[BATCH:BATCH + ANCHORS])
-  y_pub = tf.constant(rng.integers(0, gep_setup.NUM_CLASSES, ANCHORS),
+  y_pub = tf.constant(rng.integers(0, num_classes, ANCHORS),
                       tf.int32)  # Random labels (spec §1.6).
-  model = gep_setup.tutorial_cnn(0)
+  tf.keras.utils.set_random_seed(0)
+  model = models.tutorial_cnn((28, 28, 1), num_classes)
+  loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+  def per_example_gradients(x, y):
+    """One `[batch, *var.shape]` tensor per variable (`tf.vectorized_map`)."""
+    def one(example):
+      xi, yi = example
+      with tf.GradientTape() as tape:
+        loss = loss_fn(yi[tf.newaxis], model(xi[tf.newaxis], training=True))
+      return tape.gradient(loss, model.trainable_variables)
+    return tf.vectorized_map(one, (x, y))
+
   variables = model.trainable_variables
   optimizer = tf.keras.optimizers.SGD(0.1)
   if method == 'gep':
@@ -87,8 +100,8 @@ def child(method, part, steps):
     privatizer = privatizers.gaussian(1.0, 1.0)
 
   def private_and_public():
-    grads = gep_setup.per_example_gradients(model, x_priv, y_priv)
-    public = (gep_setup.per_example_gradients(model, x_pub, y_pub)
+    grads = per_example_gradients(x_priv, y_priv)
+    public = (per_example_gradients(x_pub, y_pub)
               if method == 'gep' else None)
     return grads, public
 
