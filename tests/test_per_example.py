@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from tfdpx import per_example
 from tfdpx.forms import chunks
+from tfdpx.forms import dense as dense_forms
 from tfdpx.forms import embedding as embedding_forms
 from tfdpx.keras import layer_rules
 from tfdpx.keras import recorder
@@ -571,6 +572,44 @@ def test_map_rows_pads_and_trims_to_the_batch():
   out = chunks.map_rows(lambda c: [c[0] * 2.0], [x], 3,
                         [tf.TensorSpec([1], tf.float32)])
   np.testing.assert_allclose(out[0].numpy(), x.numpy() * 2.0)
+
+
+def test_chunks_run_one_after_the_other():
+  # Side by side (a graph's default for a map), every chunk's per-example
+  # tensors would be alive at once: memory bounded by the batch, not the chunk.
+  x = tf.reshape(tf.range(7.0), [7, 1])
+  spec = [tf.TensorSpec([1], tf.float32)]
+  graph = tf.function(lambda x: (
+      chunks.map_rows(lambda c: [c[0] * 2.0], [x], 3, spec),
+      chunks.sum_rows(lambda c, valid: [tf.reduce_sum(c[0], 0)], [x], 3,
+                      spec))).get_concrete_function(x).graph
+  loops = [op for op in graph.get_operations()
+           if op.type in ('While', 'StatelessWhile')]
+  assert len(loops) == 2
+  assert all(op.get_attr('parallel_iterations') == 1 for op in loops)
+
+
+def test_a_kernel_with_ghost_norms_keeps_no_per_example_gradients(
+    monkeypatch):
+  # Its norms need no [B, *kernel.shape] tensor and a privatizer reads its
+  # other statistics once at most: keeping that tensor would only hold
+  # memory. A kernel without the ghost form keeps it for several statistics.
+  formed = []
+  materialized = dense_forms.ProductUnit.materialized
+
+  def recording(unit):
+    formed.append(unit.variables[0].name)
+    return materialized(unit)
+
+  monkeypatch.setattr(dense_forms.ProductUnit, 'materialized', recording)
+  for name, kept in (('conv2d_ghost', 0), ('conv2d', 3)):
+    model, x, y, rng = _problem(name)
+    grads = _InGraph(model, x, lambda outputs: _squared_error(y, outputs),
+                     chunk_size=2)
+    grads.dots([rng.normal(size=(3, *v.shape)).astype('float32')
+                for v in model.trainable_variables])
+    assert len(formed) == kept, (name, formed)
+    formed.clear()
 
 
 def test_microbatch_means_average_the_examples_of_each_microbatch():

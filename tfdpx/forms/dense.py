@@ -29,8 +29,9 @@ from tfdpx.forms import unit
 
 RowsOf = Callable[[List[tf.Tensor]], tf.Tensor]
 
-# Kernels of at most this many entries (64 KiB of float32 per example) keep
-# their per-example gradients for the step: at batch 1024, 64 MiB per layer.
+# Kernels of at most this many entries (64 KiB of float32 per example), whose
+# norms have no ghost form, keep their per-example gradients for the step: at
+# batch 1024, 64 MiB per layer.
 CACHED_KERNEL_SIZE = 16384
 
 
@@ -108,9 +109,14 @@ class ProductUnit(unit.Unit):
     Several statistics of one step (the finite check's norms, a privatizer's
     norms, dots or masked norms) then reduce the same tensor instead of
     forming the patches and products again; a larger kernel is formed chunk
-    by chunk for each statistic, so memory stays bounded by the chunk.
+    by chunk for each statistic, so memory stays bounded by the chunk. So is
+    a kernel whose norms have the ghost form: the privatizers then read its
+    gradients once at most (dots or masked norms), and keeping them would
+    only hold `[B, *kernel.shape]` (the tutorial CNN's second
+    convolution at batch 1024: 32 MiB, 64 while stacked).
     """
-    if self._kernel.shape.num_elements() > CACHED_KERNEL_SIZE:
+    if (self._ghost() or
+        self._kernel.shape.num_elements() > CACHED_KERNEL_SIZE):
       return None
     if self._kernel_cache is None:
       self._kernel_cache = self.materialized()[0]
