@@ -180,11 +180,26 @@ def test_srht_rows_are_orthonormal_and_norm_at_most_one(d):
       r.T @ np.ones(p), atol=1e-5)
 
 
-def test_fwht_is_the_hadamard_matrix():
-  from scipy import linalg  # pylint: disable=g-import-not-at-top
-  x = np.random.default_rng(0).normal(size=32).astype('float32')
-  np.testing.assert_allclose(projections.fwht(tf.constant(x)).numpy(),
-                             linalg.hadamard(32) @ x, rtol=1e-5, atol=1e-5)
+def _butterfly(x):
+  """The transform by its definition's recursion, in float64."""
+  if len(x) == 1:
+    return x
+  a, b = _butterfly(x[:len(x) // 2]), _butterfly(x[len(x) // 2:])
+  return np.concatenate([a + b, a - b])
+
+
+@pytest.mark.parametrize('n', [1, 2, 32, 2048, 2**13, 2**17])
+def test_fwht_is_the_hadamard_matrix(n):
+  # Up to 64: one block; 2048: two (64 x 32); 2^13 and 2^17: three.
+  x = np.random.default_rng(0).normal(size=n)
+  if n <= 2048:
+    from scipy import linalg  # pylint: disable=g-import-not-at-top
+    expected = linalg.hadamard(n) @ x
+  else:
+    expected = _butterfly(x)
+  got = projections.fwht(tf.constant(x, tf.float32)).numpy()
+  np.testing.assert_allclose(got, expected, rtol=1e-5,
+                             atol=1e-5 * np.sqrt(n))
 
 
 # --- 15-16. post-processing structure and noise calibration ----------------------
