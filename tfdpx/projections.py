@@ -176,9 +176,9 @@ def fwht(x: tf.Tensor) -> tf.Tensor:
   n = int(x.shape[0])
   y, rest = x, n
   while rest > 1:
-    # The least significant index bits left untransformed are the last axis
+    # The least significant index bits not yet transformed are the last axis
     # of `[-1, s]`; transforming it and transposing makes them the most
-    # significant, so after every factor the original order is back.
+    # significant, so once every factor is done the original order is back.
     s = min(rest, FWHT_BLOCK)
     y = tf.transpose(tf.matmul(tf.reshape(y, [-1, s]),
                                tf.constant(_sylvester(s), x.dtype)))
