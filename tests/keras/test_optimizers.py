@@ -200,14 +200,15 @@ def test_secret_seed_stays_out_of_the_config_and_checkpoints(tmp_path):
   model.compile(optimizer, _loss())
   x, y = _data(n=8)
   model.fit(x, y, batch_size=8, verbose=0)
-  secret = int(optimizer._noise_key[0].numpy())  # pylint: disable=protected-access
+  secret = int(optimizer._noise_key.secret.numpy())  # pylint: disable=protected-access
   path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(
       str(tmp_path / 'ckpt'))
   reader = tf.train.load_checkpoint(path)
   for name, _ in tf.train.list_variables(path):
     value = np.asarray(reader.get_tensor(name))
     assert not (value.dtype == np.int64 and np.any(value == secret)), name
-  assert all(not any(v is k for k in optimizer._noise_key)  # pylint: disable=protected-access
+  assert all(not any(v is k for k in (optimizer._noise_key.secret,
+                                       optimizer._noise_key.counter))  # pylint: disable=protected-access
              for v in optimizer.weights)
 
 
@@ -500,7 +501,7 @@ def test_get_updates_privatizes_in_graph_mode():
         releases.append(session.run(layer.kernel) - before)
       assert session.run(optimizer.dp_steps) == 2
       # pylint: disable-next=protected-access
-      secret = session.run(optimizer._noise_key[0])
+      secret = session.run(optimizer._noise_key.secret)
     saved = {v.name for v in tf.compat.v1.global_variables()}
   assert not any('noise' in name for name in saved), saved
   constants = [tf.make_ndarray(node.attr['value'].tensor)

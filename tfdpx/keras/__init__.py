@@ -4,7 +4,7 @@ from tfdpx.keras.callbacks import EpsilonBudget
 from tfdpx.keras.callbacks import PrivacyCallback
 from tfdpx.keras.optimizers import DPAdagrad
 from tfdpx.keras.optimizers import DPAdam
-from tfdpx.keras.optimizers import DPOptimizerMixin
+from tfdpx.keras.dp_optimizer import DPOptimizerMixin
 from tfdpx.keras.optimizers import DPSGD
 from tfdpx.keras.models import DPFunctional
 from tfdpx.keras.models import DPModel
