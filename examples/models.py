@@ -12,8 +12,8 @@ def tutorial_cnn(input_shape, num_classes=10, activation='relu'):
   papers' MNIST runs.
   """
   return tf.keras.Sequential([
-      layers.Conv2D(16, 8, strides=2, padding='same', activation=activation,
-                    input_shape=input_shape),
+      tf.keras.Input(input_shape),
+      layers.Conv2D(16, 8, strides=2, padding='same', activation=activation),
       layers.MaxPool2D(2, 1),
       layers.Conv2D(32, 4, strides=2, padding='valid', activation=activation),
       layers.MaxPool2D(2, 1),

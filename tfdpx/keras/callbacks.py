@@ -15,6 +15,7 @@ import tensorflow as tf
 from tfdpx import accounting
 from tfdpx.keras import models
 from tfdpx.keras import validation
+from tfdpx.keras.stack import keras_version
 
 _LOG = logging.getLogger(__name__)
 
@@ -42,9 +43,9 @@ def _check_before_training(model, callback):
   """
   optimizer = _dp_optimizer(model, callback)
   if not isinstance(model, (models.DPModel, models.DPSequential)):
-    functional = getattr(model, '_is_graph_network', False)
-    validation.check_private_compatible(
-        model, model.inputs if functional else None, compile_path=True)
+    functional = keras_version.is_graph_network(model)
+    inputs = keras_version.graph_endpoints(model)[0] if functional else None
+    validation.check_private_compatible(model, inputs, compile_path=True)
   if optimizer.noise_seed_is_known:
     _LOG.warning(KNOWN_SEED_WARNING)
 

@@ -321,7 +321,8 @@ class DPOptimizerMixin:
       raise ValueError(
           f'{self._privatizer.name} needs per-example gradients of public '
           'data; train a model made private with public data '
-          '(tfdpx.keras.make_private)')
+          '(tfdpx.keras.make_private(model, public_data=...), or '
+          'model.set_public_data(...) on a loaded one)')
     grads = gradients.as_per_example_gradients(per_example_grads)
     if num_examples is None and self._num_microbatches is None:
       num_examples = grads.batch_size()
@@ -340,7 +341,8 @@ class DPOptimizerMixin:
     self._before_release(var_list)
     self._check_ledger_restored()
     state = tf.nest.pack_sequence_as(
-        self._dp_state_structure, [v.read_value() for v in self._dp_state_vars])
+        self._dp_state_structure,
+        [tf.convert_to_tensor(v) for v in self._dp_state_vars])
     noisy_sum, new_state = update(state, self._next_noise_key())
     # The updates wait for the noisy sum, which depends on the data: a step
     # that fails for want of data (the end of a dataset of unknown length)

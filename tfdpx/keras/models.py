@@ -16,99 +16,24 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
-from keras.src.engine import compile_utils
-from keras.src.engine import functional as functional_lib
-from keras.src.engine import training as training_lib
-from keras.src.optimizers.legacy import optimizer_v2
-from keras.src.saving import serialization_lib
-from keras.src.utils import losses_utils
 
 from tfdpx import gradients
 from tfdpx import noise
 from tfdpx import per_example
-from tfdpx.keras import optimizers
 from tfdpx.keras import recorder
 from tfdpx.keras import validation
+from tfdpx.keras.stack import keras_version
+from tfdpx.keras.stack import optimizers
 from tfdpx.privatizers.gaussian import Gaussian
 
 DEFAULT_CHUNK_SIZE = 128
 
-# Keys of the DP optimizer's weights among the model's own `.keras` variables.
-_OPTIMIZER_KEY = 'tfdpx_optimizer_{}'
-
-
-def per_example_loss(model: tf.keras.Model, y_true, y_pred,
-                     sample_weight=None) -> tf.Tensor:
-  """The compiled loss of each example, `[B]`, without updating metrics.
-
-  The same computation as the compiled loss container (loss weights, masks,
-  sample weights) with `model.losses` left out.
-
-  Raises:
-    ValueError: if the compiled loss reduces over the batch.
-  """
-  # pylint: disable=protected-access
-  container = model.compiled_loss
-  y_true = container._conform_to_outputs(y_pred, y_true)
-  sample_weight = container._conform_to_outputs(y_pred, sample_weight)
-  if not container._built:
-    container.build(y_pred)
-  values = []
-  for y_t, y_p, weight, loss, loss_weight in zip(
-      tf.nest.flatten(y_true), tf.nest.flatten(y_pred),
-      tf.nest.flatten(sample_weight), container._losses,
-      container._loss_weights):
-    if y_t is None or loss is None:
-      continue
-    y_t, y_p, weight = compile_utils.match_dtype_and_rank(y_t, y_p, weight)
-    weight = losses_utils.apply_mask(y_p, weight, losses_utils.get_mask(y_p))
-    value = per_example.record_losses(_unreduced(loss, y_t, y_p, weight))
-    if loss_weight is not None:
-      value *= loss_weight
-    values.append(value)
-  # pylint: enable=protected-access
-  if not values:
-    raise ValueError('the model has no compiled loss')
-  return tf.add_n(values)
-
-
-def _unreduced(loss, y_true, y_pred, sample_weight) -> tf.Tensor:
-  """`loss` of each example alone, `[B, ...]`, whatever its reduction.
-
-  A loss reduced over the batch (Keras's default, as tensorflow-privacy's DP
-  models take it) gives, for one example alone, its weighted values averaged
-  (`sum_over_batch_size`) or summed (`sum`) over the other axes.
-  """
-  reduction = loss.reduction
-  if reduction == losses_utils.ReductionV2.NONE:
-    return loss(y_true, y_pred, sample_weight=sample_weight)
-  values = losses_utils.compute_weighted_loss(
-      loss.call(y_true, y_pred), sample_weight,
-      reduction=losses_utils.ReductionV2.NONE)
-  if reduction == losses_utils.ReductionV2.SUM and values.shape.rank > 1:
-    values = tf.reduce_sum(values, axis=list(range(1, values.shape.rank)))
-  return values
-
-
-def _reduces_over_batch(container) -> bool:
-  """Whether a built loss container's losses reduce over the batch."""
-  losses = container._losses  # pylint: disable=protected-access
-  return any(loss.reduction != losses_utils.ReductionV2.NONE
-             for loss in losses if loss is not None)
-
-
-# The tfdpx optimizer a model with DP arguments makes of each plain Keras
-# optimizer at compile, and the hyperparameters it takes over.
-_DP_OPTIMIZERS = (
-    ((tf.keras.optimizers.SGD, tf.keras.optimizers.legacy.SGD),
-     optimizers.DPSGD, ('learning_rate', 'momentum', 'nesterov')),
-    ((tf.keras.optimizers.Adam, tf.keras.optimizers.legacy.Adam),
-     optimizers.DPAdam,
-     ('learning_rate', 'beta_1', 'beta_2', 'epsilon', 'amsgrad')),
-    ((tf.keras.optimizers.Adagrad, tf.keras.optimizers.legacy.Adagrad),
-     optimizers.DPAdagrad,
-     ('learning_rate', 'initial_accumulator_value', 'epsilon')),
-)
+# The hyperparameters the tfdpx version of each plain optimizer takes over.
+_HYPERPARAMETERS = {
+    'SGD': ('learning_rate', 'momentum', 'nesterov'),
+    'Adam': ('learning_rate', 'beta_1', 'beta_2', 'epsilon', 'amsgrad'),
+    'Adagrad': ('learning_rate', 'initial_accumulator_value', 'epsilon'),
+}
 
 
 def _refuse_positional_dp_arguments(cls, args):
@@ -121,7 +46,7 @@ def _refuse_positional_dp_arguments(cls, args):
         "positional arguments are Keras's")
 
 
-class _PrivateTraining:
+class _PrivateTraining(keras_version.ModelHooks):
   """The engine settings and training step shared by the model classes."""
 
   def _set_dp_arguments(self, l2_norm_clip, noise_multiplier, num_microbatches,
@@ -173,7 +98,7 @@ class _PrivateTraining:
             f'its tfdpx optimizer {type(optimizer).__name__} others; pass '
             'them to one of the two')
       return optimizer
-    for bases, dp_class, names in _DP_OPTIMIZERS:
+    for bases, kind in keras_version.PLAIN_OPTIMIZERS:
       if isinstance(optimizer, bases):
         break
     else:
@@ -188,7 +113,7 @@ class _PrivateTraining:
         raise ValueError(
             f'{type(optimizer).__name__}({name}={config[name]!r}) has no DP '
             'version in tfdpx: leave it out')
-    hyperparameters = {k: config[k] for k in names}
+    hyperparameters = {k: config[k] for k in _HYPERPARAMETERS[kind]}
     if isinstance(hyperparameters['learning_rate'], dict):
       hyperparameters['learning_rate'] = (
           tf.keras.optimizers.schedules.deserialize(
@@ -196,7 +121,8 @@ class _PrivateTraining:
     for name in ('decay', 'clipnorm', 'clipvalue', 'global_clipnorm'):
       if config.get(name):  # The DP optimizer refuses clipping by name.
         hyperparameters[name] = config[name]
-    return dp_class(name=config['name'], **arguments, **hyperparameters)
+    return getattr(optimizers, 'DP' + kind)(name=config['name'], **arguments,
+                                            **hyperparameters)
 
   def _set_engine(self, chunk_size, public_data, public_chunk_size,
                   use_layer_rules, fast_clipping, release_training_metrics):
@@ -226,6 +152,18 @@ class _PrivateTraining:
   def public_data(self) -> Optional[Tuple[Any, Any]]:
     return self._dp_public_data
 
+  def set_public_data(self, public_data,
+                      public_chunk_size: Optional[int] = None) -> None:
+    """Sets the public data each step passes on (see `DPModel`).
+
+    Public data is not part of the model's config or saved files: a loaded
+    model whose privatizer needs public gradients (GEP) gets them back here.
+    """
+    self._set_engine(self._dp_chunk_size, public_data, public_chunk_size,
+                     self._dp_use_layer_rules, self._dp_fast_clipping,
+                     self._dp_release_training_metrics)
+    self.train_function = None  # Traced without them.
+
   def train_step(self, data):
     """One DP step: per-example gradients, `privatize`, apply."""
     x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
@@ -247,7 +185,8 @@ class _PrivateTraining:
     var_list = self.trainable_variables
     result = recorder.model_gradients(
         self, x,
-        lambda outputs: per_example_loss(self, y, outputs, sample_weight),
+        lambda outputs: keras_version.per_example_loss(self, y, outputs,
+                                                       sample_weight),
         var_list, self._dp_chunk_size, self._dp_use_layer_rules)
     grads = self._privatize(optimizer, result.grads, var_list)
     if result.regularization_grads is not None:
@@ -257,16 +196,7 @@ class _PrivateTraining:
     optimizer.apply_gradients(zip(grads, var_list))
     if not self._dp_release_training_metrics:
       return {}  # Nothing computed from the private batch.
-    regularization = None
-    if result.regularization_loss is not None:
-      regularization = [result.regularization_loss]
-      if not _reduces_over_batch(self.compiled_loss):
-        # Per example, as Keras's container adds it to unreduced losses.
-        regularization = [tf.fill(tf.shape(result.losses),
-                                  result.regularization_loss)]
-    self.compiled_loss(y, result.outputs, sample_weight,
-                       regularization_losses=regularization)
-    logs = self.compute_metrics(x, y, result.outputs, sample_weight)
+    logs = keras_version.training_logs(self, x, y, sample_weight, result)
     # Examples of this (global) batch whose gradient was not finite and was
     # left out: a training metric, not covered by epsilon.
     logs['dropped_records'] = noise.replica_sum([result.dropped_records])[0]
@@ -278,7 +208,8 @@ class _PrivateTraining:
       x_public, y_public = self._dp_public_data
       public_grads = recorder.public_gradients(
           self, x_public, y_public,
-          lambda y_true, outputs: per_example_loss(self, y_true, outputs),
+          lambda y_true, outputs: keras_version.per_example_loss(
+              self, y_true, outputs),
           var_list, self._dp_public_chunk_size, self._dp_use_layer_rules)
     if not self._dp_fast_clipping:
       # Every per-example gradient formed, for comparisons.
@@ -326,30 +257,6 @@ class _PrivateTraining:
     # pylint: enable=protected-access
     return model
 
-  # --- Saving: the DP optimizer's state is the privacy ledger ----------------
-  # Keras 2.15 writes no variables of a legacy (OptimizerV2) optimizer into
-  # a .keras file, and gives a SavedModel's back only as a RestoredOptimizer
-  # that is then replaced by a fresh one at compile. Both would restart the
-  # step count behind epsilon at 0, so models made private carry the state.
-
-  def save_own_variables(self, store):
-    super().save_own_variables(store)
-    if isinstance(self.optimizer, optimizers.DPOptimizerMixin):
-      for i, value in enumerate(self.optimizer.get_weights()):
-        store[_OPTIMIZER_KEY.format(i)] = value
-
-  def load_own_variables(self, store):
-    saved = []
-    while _OPTIMIZER_KEY.format(len(saved)) in store.keys():
-      saved.append(np.asarray(store[_OPTIMIZER_KEY.format(len(saved))]))
-    own = {k: store[k] for k in store.keys()
-           if k not in {_OPTIMIZER_KEY.format(i) for i in range(len(saved))}}
-    super().load_own_variables(own)
-    if saved:
-      # pylint: disable-next=protected-access
-      self.optimizer._create_all_weights(self.trainable_variables)
-      self.optimizer.set_weights(saved)
-
   def compile(self, *args, **kwargs):  # pylint: disable=arguments-differ
     """As Keras's; with DP arguments, the optimizer becomes its tfdpx version.
 
@@ -377,18 +284,10 @@ class _PrivateTraining:
       if not kwargs.get('run_eagerly'):  # Keras refuses both.
         kwargs.setdefault('jit_compile', self._use_xla)
     super().compile(*args, **kwargs)
-    if (isinstance(restored, optimizer_v2.RestoredOptimizer) and
-        isinstance(self.optimizer, optimizers.DPOptimizerMixin)):
-      # A SavedModel's optimizer variables, as Keras 2.15 loads them.
-      self.optimizer.restore_state_from(restored, self.trainable_variables)
-
-  def compile_from_config(self, config):
-    # Keras skips compiling a model whose class overrides `compile` when it
-    # loads a .keras file; this one compiles as tf.keras.Model does.
-    self.compile(**serialization_lib.deserialize_keras_object(config))
+    self._restore_optimizer_state(restored)
 
 
-@tf.keras.saving.register_keras_serializable(package='tfdpx')
+@tf.keras.utils.register_keras_serializable(package='tfdpx')
 class DPModel(_PrivateTraining, tf.keras.Model):
   """A Keras Model whose `train_step` computes per-example gradients fast.
 
@@ -402,8 +301,8 @@ class DPModel(_PrivateTraining, tf.keras.Model):
   def __new__(cls, *args, **kwargs):
     # Keras would turn DPModel itself into a Functional subclass for good
     # (inject_functional_model_class); build the functional class instead.
-    if cls is DPModel and training_lib.is_functional_model_init_params(
-        args, kwargs):
+    if cls is DPModel and keras_version.is_functional_init(args,
+                                                             kwargs):
       return super().__new__(DPFunctional, *args, **kwargs)
     return super().__new__(cls, *args, **kwargs)
 
@@ -470,22 +369,22 @@ class DPModel(_PrivateTraining, tf.keras.Model):
                            expected_batch_size, use_xla, layer_registry)
 
 
-@tf.keras.saving.register_keras_serializable(package='tfdpx')
-class DPFunctional(DPModel, functional_lib.Functional):
+@tf.keras.utils.register_keras_serializable(package='tfdpx')
+class DPFunctional(DPModel, keras_version.Functional):
   """A functional `DPModel`: `DPModel(inputs, outputs)` builds one."""
 
-  def __init__(self, inputs, outputs, name=None, trainable=True, **engine):
+  def __init__(self, inputs, outputs, *args, **kwargs):
     """Args:
-      inputs, outputs, name, trainable: as `tf.keras.Model(inputs, outputs)`;
-        Keras's constructor signature, so that Keras saves and revives the
-        layer graph (`.keras`, `.h5`, SavedModel).
-      **engine: `DPModel`'s engine arguments.
+      inputs, outputs, *args: as `tf.keras.Model(inputs, outputs, ...)`
+        (`name`, and in Keras 2 `trainable`): a constructor Keras sees as
+        functional, so that it saves and revives the layer graph (`.keras`,
+        `.h5`, SavedModel).
+      **kwargs: those of `tf.keras.Model`, and `DPModel`'s engine arguments.
     """
-    super().__init__(inputs, outputs, name=name, trainable=trainable,
-                     **engine)
+    super().__init__(inputs, outputs, *args, **kwargs)
 
 
-@tf.keras.saving.register_keras_serializable(package='tfdpx')
+@tf.keras.utils.register_keras_serializable(package='tfdpx')
 class DPSequential(_PrivateTraining, tf.keras.Sequential):
   """A Sequential model whose `train_step` computes per-example gradients fast."""
 
@@ -590,9 +489,9 @@ def make_private(model: tf.keras.Model, *,
     measure accuracy with `evaluate` on held-out data that is not part of the
     private training set.
   """
-  functional = getattr(model, '_is_graph_network', False)
-  validation.check_private_compatible(model,
-                                      model.inputs if functional else None)
+  functional = keras_version.is_graph_network(model)
+  inputs = keras_version.graph_endpoints(model)[0] if functional else None
+  validation.check_private_compatible(model, inputs)
   engine = dict(chunk_size=chunk_size, public_data=public_data,
                 public_chunk_size=public_chunk_size,
                 use_layer_rules=use_layer_rules, fast_clipping=fast_clipping,
@@ -600,6 +499,6 @@ def make_private(model: tf.keras.Model, *,
   if isinstance(model, tf.keras.Sequential) and not model.built:
     return DPSequential(model.layers, name=model.name + '_private', **engine)
   if functional:
-    return DPModel(model.inputs, model.outputs, name=model.name + '_private',
-                   **engine)
+    return DPModel(*keras_version.graph_endpoints(model),
+                   name=model.name + '_private', **engine)
   return _Wrapped(model, **engine)

@@ -310,17 +310,17 @@ class _Keras2DPOptimizer(DPOptimizerMixin):
         variable.assign(saved[name])
 
 
-@tf.keras.saving.register_keras_serializable(package='tfdpx')
+@tf.keras.utils.register_keras_serializable(package='tfdpx')
 class DPSGD(_Keras2DPOptimizer, tfp_vectorized.VectorizedDPKerasSGDOptimizer):
   """SGD on privatized gradients. See `DPOptimizerMixin` for the DP arguments."""
 
 
-@tf.keras.saving.register_keras_serializable(package='tfdpx')
+@tf.keras.utils.register_keras_serializable(package='tfdpx')
 class DPAdam(_Keras2DPOptimizer, tfp_vectorized.VectorizedDPKerasAdamOptimizer):
   """Adam on privatized gradients. See `DPOptimizerMixin` for the DP arguments."""
 
 
-@tf.keras.saving.register_keras_serializable(package='tfdpx')
+@tf.keras.utils.register_keras_serializable(package='tfdpx')
 class DPAdagrad(_Keras2DPOptimizer,
                 tfp_vectorized.VectorizedDPKerasAdagradOptimizer):
   """Adagrad on privatized gradients. See `DPOptimizerMixin` for the DP arguments."""

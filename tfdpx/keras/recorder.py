@@ -31,6 +31,7 @@ from tfdpx import per_example
 from tfdpx.forms import materialized as materialized_forms
 from tfdpx.forms import unit as unit_lib
 from tfdpx.keras import layer_rules
+from tfdpx.keras.stack import keras_version
 
 _LOG = logging.getLogger(__name__)
 
@@ -53,11 +54,6 @@ def _unique(variables) -> List[tf.Variable]:
 _RANDOM_OP = re.compile(
     r'Random|Multinomial|TruncatedNormal|^Rng|^StatefulUniform|'
     r'^StatefulStandardNormal')
-
-
-def _is_graph_network(layer) -> bool:
-  return (isinstance(layer, tf.keras.Model) and
-          getattr(layer, '_is_graph_network', False))
 
 
 def _is_float(tensor) -> bool:
@@ -94,45 +90,25 @@ class _Recorder:
 
   def run(self, model, inputs):
     """The model's outputs on `inputs`, computed in training mode."""
-    if _is_graph_network(model) and not isinstance(model, tf.keras.Sequential):
-      return self._run_graph(model, inputs)
     if isinstance(model, tf.keras.Sequential):
       for layer in model.layers:
         inputs = self.call(layer, (inputs,), {})
       return inputs
+    if keras_version.is_graph_network(model):
+      return keras_version.run_graph(model, inputs, self.call)
     return self.call(model, (inputs,), {}, nested_run=False)
-
-  def _run_graph(self, model, inputs):
-    # The loop of Keras's Functional._run_internal_graph, with self.call.
-    # pylint: disable=protected-access
-    inputs = model._flatten_to_reference_inputs(inputs)
-    tensors = {}
-    for reference, value in zip(model.inputs, inputs):
-      value = model._conform_to_reference_input(value, ref_input=reference)
-      key = str(id(reference))
-      tensors[key] = [value] * model._tensor_usage_count[key]
-    for depth in sorted(model._nodes_by_depth, reverse=True):
-      for node in model._nodes_by_depth[depth]:
-        if node.is_input or any(k not in tensors for k in node.flat_input_ids):
-          continue
-        args, kwargs = node.map_arguments(tensors)
-        outputs = self.call(node.layer, args, kwargs)
-        for key, value in zip(node.flat_output_ids, tf.nest.flatten(outputs)):
-          tensors[key] = [value] * model._tensor_usage_count[key]
-    outputs = [tensors[str(id(x))].pop() for x in model.outputs]
-    return tf.nest.pack_sequence_as(model._nested_outputs, outputs)
-    # pylint: enable=protected-access
 
   def call(self, layer, args, kwargs, nested_run=True):
     """Calls `layer` in training mode, recording a rule tap or a fallback."""
     if nested_run and isinstance(layer, tf.keras.Model) and (
-        _is_graph_network(layer) or isinstance(layer, tf.keras.Sequential)):
+        keras_version.is_graph_network(layer) or
+        isinstance(layer, tf.keras.Sequential)):
       return self.run(layer, args[0])
     kwargs = dict(kwargs)
-    spec = layer._call_spec  # pylint: disable=protected-access
-    if spec.expects_training_arg and kwargs.get('training') is None:
+    takes_training, takes_mask = keras_version.call_arguments(layer)
+    if takes_training and kwargs.get('training') is None:
       kwargs['training'] = True
-    if spec.expects_mask_arg and kwargs.get('mask') is None and args:
+    if takes_mask and kwargs.get('mask') is None and args:
       # Explicit, so that the fallback slices the mask with the inputs.
       mask = tf.nest.map_structure(lambda t: getattr(t, '_keras_mask', None),
                                    args[0])

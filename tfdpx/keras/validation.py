@@ -35,8 +35,17 @@ subtracts the batch mean).
 from typing import Any, Dict, List, Optional
 
 import tensorflow as tf
-from keras.src.engine import keras_tensor
-from keras.src.layers.normalization import batch_normalization
+
+from tfdpx.keras.stack import KERAS_3
+
+# pylint: disable=g-import-not-at-top
+if KERAS_3:
+  from keras import KerasTensor
+  from keras.src.layers.normalization.batch_normalization import BatchNormalization as _BatchNormalization
+else:
+  from keras.src.engine.keras_tensor import KerasTensor
+  from keras.src.layers.normalization.batch_normalization import BatchNormalizationBase as _BatchNormalization
+# pylint: enable=g-import-not-at-top
 
 # Ops that read a variable; any other op given a variable's handle may write it.
 _READS = frozenset({'ReadVariableOp', 'ResourceGather', 'ResourceGatherNd',
@@ -94,6 +103,8 @@ def check_private_compatible(model: tf.keras.layers.Layer, inputs: Any = None,
 
 
 def _layers(model) -> List[tf.keras.layers.Layer]:
+  if KERAS_3:  # Keras 3 layers are not tf.Modules.
+    return list(model._flatten_layers())  # pylint: disable=protected-access
   return [model] + [m for m in model.submodules
                     if isinstance(m, tf.keras.layers.Layer)]
 
@@ -106,7 +117,7 @@ def _includes_batch_axis(axis, rank: Optional[int]) -> bool:
 
 def _normalizes_over_batch(layer) -> bool:
   """True for a normalization layer that normalizes over the batch axis."""
-  if isinstance(layer, batch_normalization.BatchNormalizationBase):
+  if isinstance(layer, _BatchNormalization):
     return layer.trainable  # Frozen, Keras runs it in inference mode.
   if isinstance(layer, tf.keras.layers.GroupNormalization):
     # Its axis (split into groups) stays negative; the rank comes with build.
@@ -122,7 +133,7 @@ def _normalizes_over_batch(layer) -> bool:
 def _check_layer(layer) -> None:
   name = f'layer {layer.name!r} ({type(layer).__name__})'
   if _normalizes_over_batch(layer):
-    if isinstance(layer, batch_normalization.BatchNormalizationBase):
+    if isinstance(layer, _BatchNormalization):
       fix = ('Use tf.keras.layers.GroupNormalization or LayerNormalization '
              'instead, or freeze it (layer.trainable = False runs it in '
              'inference mode).')
@@ -171,8 +182,8 @@ def _check_losses(model, layers) -> None:
 def _spec(value) -> tf.TypeSpec:
   if isinstance(value, tf.TypeSpec):
     return value
-  if isinstance(value, keras_tensor.KerasTensor):
-    return value.type_spec
+  if isinstance(value, KerasTensor):  # Keras 3's has no type_spec.
+    return tf.TensorSpec(value.shape, value.dtype)
   return tf.type_spec_from_value(value)
 
 

@@ -1,0 +1,125 @@
+"""Keras 3 optimizers that privatize gradients with a tfdpx privatizer.
+
+`tfdpx.keras.dp_optimizer.DPOptimizerMixin` over Keras 3's SGD, Adam and
+Adagrad. Keras 3 optimizers never see a loss, let alone per-example losses:
+the gradients reach `apply` already averaged over the batch. So a model made
+private (`tfdpx.keras.make_private`) privatizes in its train step, through
+`privatize`, and `apply` refuses gradients that did not come out of
+`privatize` (a plain model compiled with a tfdpx optimizer), at the first
+step, instead of training without privacy.
+"""
+
+import threading
+
+import keras
+import tensorflow as tf
+from keras.src.utils import tracking
+
+from tfdpx.keras.dp_optimizer import DPOptimizerMixin
+from tfdpx.keras.dp_optimizer import secret_seed
+
+NOT_PRIVATIZED = (
+    'tfdpx: {name} was asked to apply gradients it did not privatize. Keras 3 '
+    'optimizers never see per-example losses, so a plain Keras model '
+    'compiled with a tfdpx optimizer would train without privacy. Train '
+    'tfdpx.keras.make_private(model) (or a tfdpx.keras.DPModel or '
+    'DPSequential) compiled with this optimizer: its train step hands the '
+    "per-example gradients to the optimizer's privatize.")
+
+_ONLY_FIRST_REPLICA = 'only_first_replica'
+
+
+class _Keras3DPOptimizer(DPOptimizerMixin):
+  """The Keras 3 side: variables made in `build`, `apply` guarded."""
+
+  def _init_base(self, privatizer, num_microbatches,
+                 unconnected_gradients_to_zero, args, kwargs):
+    del privatizer, num_microbatches, unconnected_gradients_to_zero
+    if kwargs.get('loss_scale_factor') is not None:
+      raise ValueError(
+          'loss_scale_factor is not supported by tfdpx optimizers: the '
+          'privatized gradient is not a gradient of the scaled loss, so '
+          'dividing it by the scale would shrink the update and its noise.')
+    super(DPOptimizerMixin, self).__init__(*args, **kwargs)
+    # Set by `privatize` and taken by `apply`, in the same (traced) step;
+    # per thread, as tf.distribute traces its replicas in threads.
+    self._released = threading.local()
+
+  def _new_key_variable(self, name, value):
+    with tf.init_scope():
+      initial = secret_seed() if value is None else value
+      return tf.Variable(tf.constant(initial, tf.int64), trainable=False,
+                         name=name,
+                         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+  def _before_release(self, var_list):
+    if not self.built:
+      with tf.init_scope():
+        self.build(var_list)
+    self._released.pending = True
+
+  @tracking.no_automatic_dependency_tracking
+  def build(self, variables):
+    """Keras's variables, then the privatizer state and the step counts.
+
+    Always in this order and all at once, so that a saved optimizer's
+    variables (`.keras`, matched by position) load into the same ones.
+    """
+    super().build(variables)
+    state = self._privatizer.init(list(variables))
+    self._dp_state_structure = state
+    self._dp_state_vars = [
+        self._dp_variable(f'dp_state_{i}', value)
+        for i, value in enumerate(tf.nest.flatten(state))]
+    self._dp_steps = self._dp_variable('dp_steps', 0)
+    if self._num_microbatches is not None:
+      self._examples_per_record = self._dp_variable(
+          'dp_examples_per_record', 0)
+    if self.denominator is None:
+      self._first_batch_size = self._dp_variable('dp_first_batch_size', 0)
+
+  def _dp_variable(self, name, value):
+    value = tf.convert_to_tensor(
+        value, tf.int64 if isinstance(value, int) else None)
+    return self.add_variable(
+        value.shape, initializer=lambda shape, dtype=None: value,
+        dtype=value.dtype.name, aggregation=_ONLY_FIRST_REPLICA, name=name)
+
+  @property
+  def dp_steps(self):
+    """Number of privatized steps so far (a variable once built; 0 before)."""
+    if self._dp_steps is None:
+      return tf.constant(0, tf.int64)
+    return self._dp_steps
+
+  @property
+  def _examples_per_record_seen(self):
+    if self._examples_per_record is None:
+      return tf.constant(0, tf.int64)
+    return self._examples_per_record
+
+  def apply(self, grads, trainable_variables=None):
+    """Keras's `apply`, for gradients that `privatize` returned only.
+
+    Raises:
+      ValueError: for gradients of a step that did not call `privatize`.
+    """
+    if not getattr(self._released, 'pending', False):
+      raise ValueError(NOT_PRIVATIZED.format(name=type(self).__name__))
+    self._released.pending = False
+    return super().apply(grads, trainable_variables)
+
+
+@keras.saving.register_keras_serializable(package='tfdpx')
+class DPSGD(_Keras3DPOptimizer, keras.optimizers.SGD):
+  """SGD on privatized gradients. See `DPOptimizerMixin` for the DP arguments."""
+
+
+@keras.saving.register_keras_serializable(package='tfdpx')
+class DPAdam(_Keras3DPOptimizer, keras.optimizers.Adam):
+  """Adam on privatized gradients. See `DPOptimizerMixin` for the DP arguments."""
+
+
+@keras.saving.register_keras_serializable(package='tfdpx')
+class DPAdagrad(_Keras3DPOptimizer, keras.optimizers.Adagrad):
+  """Adagrad on privatized gradients. See `DPOptimizerMixin` for the DP arguments."""
