@@ -1,11 +1,24 @@
-# `make test` and `make demo` work on a fresh machine with only Python 3.11:
-# the first call builds .venv from the one constraints file that pins the stack.
+# Two supported stacks, one public API (README "Which stack"):
+#   Stack A (Keras 2): Python 3.11, TensorFlow 2.15, tensorflow-privacy 0.9.0:
+#     constraints.txt -> .venv
+#   Stack B (Keras 3): Python 3.12, TensorFlow 2.21, Keras 3.15, numpy 2:
+#     constraints-keras3.txt -> .venv-keras3
+# `make test` and `make demo` work on a fresh machine with only Python and
+# PyPI: the first call builds the virtualenv(s) from the constraints files.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
+# python3.12 on the PATH, else pyenv's (its shims answer only for the
+# versions pyenv has selected).
+PYTHON_KERAS3 ?= $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12; do \
+  $$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tfdpx-installed
+VENV3 := .venv-keras3
+PY3 := $(VENV3)/bin/python
+STAMP3 := $(VENV3)/.tfdpx-installed
 
-.PHONY: venv test test-all demo bench clean
+.PHONY: venv venv-keras3 test test-keras2 test-keras3 test-all test-all-keras3 \
+  demo demo-keras3 bench bench-keras3 clean
 
 venv: $(STAMP)
 
@@ -15,22 +28,48 @@ $(STAMP): constraints.txt setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,examples]'
 	touch $(STAMP)
 
-# Two test processes (pytest-xdist): the suite is mostly single-threaded
-# Python and graph tracing, and CI has two cores.
-test: $(STAMP)
+venv-keras3: $(STAMP3)
+
+$(STAMP3): constraints-keras3.txt setup.cfg pyproject.toml
+	@test -n "$(PYTHON_KERAS3)" || { echo "Stack B needs Python 3.12 (set PYTHON_KERAS3)"; exit 1; }
+	test -x $(PY3) || $(PYTHON_KERAS3) -m venv $(VENV3)
+	$(PY3) -m pip install --quiet --upgrade pip
+	$(PY3) -m pip install --quiet -c constraints-keras3.txt -e '.[test,examples]'
+	touch $(STAMP3)
+
+# Both suites; Stack B is skipped, with the reason, only where Python 3.12
+# is missing. Two test processes each (pytest-xdist): the suites are mostly
+# single-threaded Python and graph tracing, and CI has two cores.
+test: test-keras2
+	@if [ -n "$(PYTHON_KERAS3)" ]; then $(MAKE) --no-print-directory test-keras3; \
+	else echo "SKIPPED the Keras 3 suite (Stack B): no Python 3.12 found (set PYTHON_KERAS3)"; fi
+
+test-keras2: $(STAMP)
 	$(PY) -m pytest -m "not slow" -q -n 2
+
+test-keras3: $(STAMP3)
+	$(PY3) -m pytest -m "not slow" -q -n 2
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2
 
+test-all-keras3: $(STAMP3)
+	$(PY3) -m pytest -q -n 2
+
 demo: $(STAMP)
 	$(PY) -m examples.demo
+
+demo-keras3: $(STAMP3)
+	$(PY3) -m examples.demo
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.speed
 
+bench-keras3: $(STAMP3)
+	$(PY3) -m benchmarks.speed
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV3) build *.egg-info
 
 # Bazel (docs/bazel.md): Debian's Bazel 4, offline, every test under the .venv Python.
 BAZEL ?= bazel-4

@@ -28,11 +28,16 @@ from absl import app
 from absl import flags
 import numpy as np
 import tensorflow as tf
-from tensorflow_privacy.privacy.fast_gradient_clipping import layer_registry
-from tensorflow_privacy.privacy.keras_models import dp_keras_model
 
 import tfdpx
 from tfdpx import privatizers
+from tfdpx.keras.stack import KERAS_3
+
+# pylint: disable=g-import-not-at-top
+if not KERAS_3:  # tensorflow-privacy exists on the Keras 2 stack only.
+  from tensorflow_privacy.privacy.fast_gradient_clipping import layer_registry
+  from tensorflow_privacy.privacy.keras_models import dp_keras_model
+# pylint: enable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list('models', ['cnn', 'mlp', 'text', 'transformer', 'cifar_cnn'],
@@ -185,7 +190,7 @@ def configs(model_name):
     names.append(f'tfdpx {name}')
     if model_name in FLAGS.xla_models:
       names.append(f'tfdpx {name} xla')
-  if isinstance(MODELS[model_name][0](), tf.keras.Sequential):
+  if not KERAS_3 and isinstance(MODELS[model_name][0](), tf.keras.Sequential):
     names.append('tf-privacy DPSequential')
   return names
 
@@ -272,8 +277,8 @@ def main(argv):
     lines.append(line)
 
   emit(f'# tfdpx speed benchmark, {time.strftime("%Y-%m-%d %H:%M UTC")}, '
-       f'TensorFlow {tf.__version__}, steps {FLAGS.steps}, repetitions '
-       f'{FLAGS.repetitions}')
+       f'TensorFlow {tf.__version__}, Keras {tf.keras.version() if KERAS_3 else 2}, '
+       f'steps {FLAGS.steps}, repetitions {FLAGS.repetitions}')
   emit()
   emit('| model | batch | configuration | ms/step | x non-private |')
   emit('|---|---:|---|---:|---:|')

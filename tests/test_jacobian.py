@@ -7,7 +7,7 @@ import tensorflow as tf
 from tfdpx import per_example
 
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(
-    from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
+    from_logits=True, reduction='none')
 
 
 def _models():

@@ -57,11 +57,11 @@ def _tied_before():
   inputs = tf.keras.Input((4,))
   dense = L.Dense(4, activation='tanh')
   dense.build((None, 4))
-  x = tf.matmul(inputs, dense.kernel, transpose_b=True)  # A TFOpLambda.
+  x = L.Lambda(lambda t: tf.matmul(t, dense.kernel, transpose_b=True))(inputs)
   return tf.keras.Model(inputs, L.Dense(2)(dense(x)))
 
 
-class _TiedOutput(L.Layer):
+class TiedOutput(L.Layer):
   """Multiplies by another layer's weight matrix, transposed."""
 
   def __init__(self, weight, **kwargs):
@@ -77,10 +77,10 @@ def _tied_embedding():
   ids = tf.keras.Input((6,), dtype='int32')
   embedding = L.Embedding(10, 4)
   x = L.Dense(4, activation='tanh')(embedding(ids))
-  return tf.keras.Model(ids, _TiedOutput(lambda: embedding.embeddings)(x))
+  return tf.keras.Model(ids, TiedOutput(lambda: embedding.embeddings)(x))
 
 
-class _Scaled(L.Layer):
+class Scaled(L.Layer):
   """A layer with its own weight that also reads another layer's kernel."""
 
   def __init__(self, owner, **kwargs):
@@ -88,7 +88,7 @@ class _Scaled(L.Layer):
     self.owner = owner
 
   def build(self, input_shape):
-    self.scale = self.add_weight('scale', shape=[input_shape[-1]],
+    self.scale = self.add_weight(name='scale', shape=[input_shape[-1]],
                                  initializer='ones')
 
   def call(self, inputs):
@@ -98,7 +98,7 @@ class _Scaled(L.Layer):
 def _tied_fallback():
   inputs = tf.keras.Input((4,))
   dense = L.Dense(3, activation='tanh')
-  x = _Scaled(dense)(dense(inputs))
+  x = Scaled(dense)(dense(inputs))
   return tf.keras.Model(inputs, L.Dense(2)(x))
 
 
@@ -295,7 +295,7 @@ def test_a_registered_rule_is_used_for_a_custom_layer():
   class Scale(L.Layer):
 
     def build(self, input_shape):
-      self.scale = self.add_weight('scale', shape=[input_shape[-1]])
+      self.scale = self.add_weight(name='scale', shape=[input_shape[-1]])
 
     def call(self, inputs):
       return inputs * self.scale
@@ -334,7 +334,7 @@ def test_regularization_is_returned_apart_from_the_per_example_gradients():
                              2 * 0.5 * kernel.numpy(), rtol=1e-6)
 
 
-class _DataLoss(L.Layer):
+class DataLoss(L.Layer):
   """Adds a loss computed from its inputs by `term`."""
 
   def __init__(self, term, **kwargs):
@@ -363,7 +363,7 @@ def test_a_data_dependent_add_loss_is_refused(term, graph):
   # Before, only terms with a gradient to a float input or activation were.
   model = tf.keras.Sequential([
       tf.keras.Input((3,)), L.Dense(2),
-      _DataLoss(DATA_TERMS[term], name='data_loss'), L.Dense(1)])
+      DataLoss(DATA_TERMS[term], name='data_loss'), L.Dense(1)])
 
   def run(x):
     return recorder.model_gradients(
@@ -500,7 +500,7 @@ def test_a_non_finite_example_is_dropped_and_the_others_are_untouched(
                     expected)
 
 
-class _WithDropout(tf.keras.Model):
+class WithDropout(tf.keras.Model):
   """A subclassed model, one fallback unit, with a Keras Dropout inside."""
 
   def __init__(self):
@@ -514,7 +514,7 @@ class _WithDropout(tf.keras.Model):
 def _random_models():
   signal = tf.keras.Input((5, 3))
   attention = L.MultiHeadAttention(2, 3, dropout=0.5)(signal, signal)
-  subclassed = _WithDropout()
+  subclassed = WithDropout()
   subclassed(tf.zeros([1, 5, 3]))
   return {
       'lstm': tf.keras.Sequential([

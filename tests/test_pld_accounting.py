@@ -9,6 +9,7 @@ import tensorflow as tf
 import tfdpx
 from tfdpx import accounting
 from tfdpx.privatizers import gaussian
+from tests.compile_path import trainable
 
 # The tensorflow-privacy tutorial: n = 60000, batch 256, noise multiplier 1.1,
 # 60 epochs, delta 1e-5, Poisson sampling.
@@ -95,11 +96,12 @@ def test_privacy_callback_logs_the_pld_epsilon():
   x = np.random.default_rng(0).normal(size=(32, 5)).astype('float32')
   y = (x[:, 0] > 0).astype('int32')
   tf.keras.utils.set_random_seed(0)
-  model = tf.keras.Sequential([tf.keras.layers.Dense(2, input_shape=(5,))])
+  model = trainable(
+      tf.keras.Sequential([tf.keras.layers.Dense(2, input_shape=(5,))]))
   model.compile(
       tfdpx.keras.DPSGD(1.0, 1.1, expected_batch_size=8, learning_rate=0.1),
       tf.keras.losses.SparseCategoricalCrossentropy(
-          from_logits=True, reduction=tf.keras.losses.Reduction.NONE))
+          from_logits=True, reduction='none'))
   history = model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[
       tfdpx.keras.PrivacyCallback(sampling='poisson', sampling_probability=0.25,
                                   delta=DELTA, accountant='pld')])

@@ -7,6 +7,7 @@ import tensorflow as tf
 import tfdpx
 from tests import stats
 from tfdpx import sampling
+from tests.compile_path import trainable
 
 
 def _dataset(seed, steps=200, n=100, q=0.1):
@@ -109,10 +110,11 @@ def test_padding_contributes_nothing_and_the_denominator_is_expected():
   (xb, yb, wb), = list(sampling.poisson_batches(
       x, y, sampling_probability=q, steps=1, seed=4))
   tf.keras.utils.set_random_seed(0)
-  model = tf.keras.Sequential([tf.keras.layers.Dense(2, input_shape=(3,))])
+  model = trainable(
+      tf.keras.Sequential([tf.keras.layers.Dense(2, input_shape=(3,))]))
   kernel = model.get_weights()[0].copy()
   loss = tf.keras.losses.SparseCategoricalCrossentropy(
-      from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
+      from_logits=True, reduction='none')
   model.compile(tfdpx.keras.DPSGD(privatizer=tfdpx.privatizers.gaussian(
       1e9, 0.0), expected_batch_size=n * q, learning_rate=1.0), loss)
   model.train_on_batch(xb, yb, sample_weight=wb)

@@ -15,7 +15,7 @@ import tensorflow as tf
 import tfdpx
 from tfdpx.privatizers import gaussian
 
-NONE = tf.keras.losses.Reduction.NONE
+NONE = 'none'
 GLOBAL_BATCH = 8
 LEARNING_RATE, L2_NORM_CLIP, NOISE_MULTIPLIER = 0.1, 0.8, 1.3
 

@@ -7,6 +7,7 @@ import tensorflow as tf
 import tfdpx
 from tfdpx import accounting
 from tfdpx.privatizers import gaussian
+from tests.compile_path import trainable
 
 NOISE, DELTA = 1.0, 1e-5
 
@@ -20,12 +21,13 @@ def _data(n, features=5, seed=0):
 
 def _model(steps_per_execution=1, **optimizer_kwargs):
   tf.keras.utils.set_random_seed(0)
-  model = tf.keras.Sequential([tf.keras.layers.Dense(2, input_shape=(5,))])
+  model = trainable(
+      tf.keras.Sequential([tf.keras.layers.Dense(2, input_shape=(5,))]))
   optimizer = tfdpx.keras.DPSGD(
       **{'l2_norm_clip': 1.0, 'noise_multiplier': NOISE,
          'expected_batch_size': 8, 'learning_rate': 0.1, **optimizer_kwargs})
   model.compile(optimizer, tf.keras.losses.SparseCategoricalCrossentropy(
-      from_logits=True, reduction=tf.keras.losses.Reduction.NONE),
+      from_logits=True, reduction='none'),
                 steps_per_execution=steps_per_execution)
   return model
 
@@ -137,6 +139,8 @@ def test_budget_refuses_to_start_an_execution_it_cannot_afford():
   assert int(model.optimizer.dp_steps.numpy()) == 3
 
 
+@pytest.mark.keras2_only("steps_per_execution='auto' (Keras 3's TensorFlow "
+                         'backend has none)')
 def test_budget_refuses_autotuned_steps_per_execution():
   x, y = _data(32)
   model = _model(steps_per_execution='auto')
@@ -159,7 +163,7 @@ def test_callbacks_refuse_a_regularizer_on_the_compile_path_by_name(callback):
                                   expected_batch_size=8),
                 tf.keras.losses.SparseCategoricalCrossentropy(
                     from_logits=True,
-                    reduction=tf.keras.losses.Reduction.NONE))
+                    reduction='none'))
   with pytest.raises(ValueError, match="'regularized'.*make_private"):
     model.fit(x, y, batch_size=8, verbose=0, callbacks=[callback()])
 

@@ -10,6 +10,9 @@ import pytest
 
 from tests import stats
 
+pytestmark = pytest.mark.keras2_only(
+    'tf.distribute with several replicas, refused on Keras 3 (tests/keras/test_keras3.py)')
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 

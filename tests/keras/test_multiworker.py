@@ -18,6 +18,9 @@ import pytest
 from tests import stats
 from tests.keras import multiworker_run as run
 
+pytestmark = pytest.mark.keras2_only(
+    'tf.distribute with several workers, refused on Keras 3 (tests/keras/test_keras3.py)')
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 

@@ -11,8 +11,16 @@ import tensorflow as tf
 
 import tfdpx
 
-NONE = tf.keras.losses.Reduction.NONE
-FORMATS = ['model.keras', 'model.h5', 'saved_model']
+NONE = 'none'
+FORMATS = [
+    'model.keras',
+    pytest.param('model.h5', marks=pytest.mark.keras2_only(
+        "Keras 3's legacy .h5 does not restore a trainable optimizer (Keras "
+        'fails at the first step on loading): save .keras (docs/keras3.md)')),
+    pytest.param('saved_model', marks=pytest.mark.keras2_only(
+        'Keras 3 saves a model to train on as .keras only (model.export '
+        'writes the serving SavedModel: tests/keras/test_keras3.py)')),
+]
 BATCH = 8
 
 
@@ -78,6 +86,7 @@ def test_model_made_private_reloads_with_its_ledger(tmp_path, kind,
                                   delta=1e-5) == expected
 
 
+@pytest.mark.keras2_only('the compile path')
 def test_plain_model_h5_reloads_with_its_ledger(tmp_path):
   x, y = _data()
   model = _compiled(_model('functional'))
@@ -92,6 +101,7 @@ def test_plain_model_h5_reloads_with_its_ledger(tmp_path):
   assert int(loaded.optimizer.dp_steps.numpy()) == 6
 
 
+@pytest.mark.keras2_only('the compile path')
 @pytest.mark.parametrize('filename', ['model.keras', 'saved_model'])
 def test_plain_model_without_saved_optimizer_state_refuses_to_train_on(
     tmp_path, filename):

@@ -13,6 +13,7 @@ from tests import stats
 from tfdpx import core
 from tfdpx import gradients
 from tfdpx import privatizers
+from tests.compile_path import trainable
 
 SHAPES = [(6, 5), (5,), (3, 2, 4)]
 D = 30 + 5 + 24
@@ -391,9 +392,9 @@ def _fit_and_trace(make_optimizer, final_sparsity=0.8, epochs=_EPOCHS,
   optimizer slots `slot_names` (`None` before the first step).
   """
   tf.keras.utils.set_random_seed(0)
-  model = tf.keras.Sequential([
+  model = trainable(tf.keras.Sequential([
       tf.keras.layers.Dense(6, activation='tanh', input_shape=(5,)),
-      tf.keras.layers.Dense(3)])
+      tf.keras.layers.Dense(3)]))
   wrapper = privatizers.sparsified(
       privatizers.gaussian(1.0, 1.0), final_sparsity, epochs=_EPOCHS,
       steps_per_epoch=_STEPS, mask_seed=5)
@@ -401,7 +402,7 @@ def _fit_and_trace(make_optimizer, final_sparsity=0.8, epochs=_EPOCHS,
   model.compile(optimizer=optimizer,
                 loss=tf.keras.losses.SparseCategoricalCrossentropy(
                     from_logits=True,
-                    reduction=tf.keras.losses.Reduction.NONE))
+                    reduction='none'))
   snapshots = []
 
   def weights():
@@ -446,6 +447,7 @@ def test_plain_sgd_leaves_masked_coordinates_exactly_unchanged():
     assert np.sum(~moved) == _expected_num_zeroed(0.8, _EPOCHS, epoch, d)
 
 
+@pytest.mark.keras2_only('reads optimizer slots (get_slot), a Keras 2 API')
 def test_momentum_is_not_reset_on_masked_coordinates():
   """Keras momentum: v <- mu v - lr g; w <- w + v. With g = 0, v decays by mu."""
   momentum = 0.9
@@ -468,6 +470,7 @@ def test_momentum_is_not_reset_on_masked_coordinates():
   assert checked > 0  # Masked coordinates with momentum did move.
 
 
+@pytest.mark.keras2_only('reads optimizer slots (get_slot), a Keras 2 API')
 def test_adam_moments_decay_on_masked_coordinates():
   """Masked coordinates get g = 0: m <- b1 m, v <- b2 v, and w may move."""
   masks, snapshots = _fit_and_trace(

@@ -55,7 +55,7 @@ class MaterializedUnit(unit.Unit):
     self._chunk_size = chunk_size
     self._weighted_sum = weighted_sum
     batch = self._elems[0].shape[0] if self._elems else None
-    size = sum(np.prod(v.shape, dtype=np.int64) * v.dtype.size
+    size = sum(np.prod(v.shape, dtype=np.int64) * tf.as_dtype(v.dtype).size
                for v in self.variables)
     self._cache = chunk_size is None or (batch is not None and
                                          batch * size <= cache_bytes)

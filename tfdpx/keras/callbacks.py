@@ -140,7 +140,9 @@ class EpsilonBudget(tf.keras.callbacks.Callback):
 
   def _compiled_steps_per_execution(self) -> int:
     variable = getattr(self.model, '_steps_per_execution', None)
-    return 1 if variable is None else int(variable.numpy())
+    if variable is not None:  # Keras 2: a variable.
+      return int(variable.numpy())
+    return int(getattr(self.model, 'steps_per_execution', 1))  # Keras 3.
 
   def _epsilon_after_next_execution(self) -> float:
     optimizer = _dp_optimizer(self.model, 'EpsilonBudget')

@@ -191,3 +191,25 @@ def call_arguments(layer):
 def graph_endpoints(model):
   """The inputs and outputs to rebuild a functional `model` from."""
   return model.inputs, model.outputs
+
+
+class FunctionalConstructor:
+  """The constructor of a functional model made private.
+
+  Keras saves the layer graph of a `Functional` subclass only if its
+  constructor's arguments are exactly `Functional`'s.
+  """
+
+  def __init__(self, inputs, outputs, name=None, trainable=True, **engine):
+    super().__init__(inputs, outputs, name=name, trainable=trainable,
+                     **engine)
+
+
+def tf_variables(variables):
+  """Keras 2 variables are TensorFlow variables."""
+  return list(variables)
+
+
+def logs_without_training_metrics(model, y, outputs):
+  del model, y, outputs
+  return {}

@@ -112,9 +112,13 @@ def _unreduced(loss, y_true, y_pred, sample_weight) -> tf.Tensor:
 
 def training_logs(model, x, y, sample_weight, result) -> Dict[str, Any]:
   """The loss and compiled metrics of a private batch, as Keras logs them."""
+  # The compiled loss (mean of the per-example losses) and model.losses, as
+  # `compute_loss` adds them; not from `model.losses` again, which holds the
+  # values of the engine's last layer calls.
+  loss = tf.reduce_mean(result.losses)
+  if result.regularization_loss is not None:
+    loss += result.regularization_loss
   # pylint: disable=protected-access
-  loss = model._compute_loss(x=x, y=y, y_pred=result.outputs,
-                             sample_weight=sample_weight, training=True)
   model._loss_tracker.update_state(
       loss_lib.unscale_loss_for_distribution(loss),
       sample_weight=tf.shape(result.losses)[0])
@@ -145,3 +149,36 @@ def graph_endpoints(model):
   # pylint: disable=protected-access
   graph = model._functional if isinstance(model, keras.Sequential) else model
   return graph._inputs_struct, graph._outputs_struct
+
+
+class FunctionalConstructor:
+  """The constructor of a functional model made private.
+
+  Keras saves the layer graph of a `Functional` subclass only if its
+  constructor's arguments are exactly `Functional`'s.
+  """
+
+  def __init__(self, inputs, outputs, name=None, **engine):
+    super().__init__(inputs, outputs, name=name, **engine)
+
+
+def tf_variables(variables):
+  """The TensorFlow variables behind Keras 3 variables.
+
+  What the engine and the privatizers work with: a tape gives their
+  gradients (zeros where unconnected), their dtype is a `tf.DType` and their
+  `name` is the layer path (`model/dense/kernel:0`), which DPDR's `layer`
+  blocks group by (a Keras 3 variable's own `name` is `kernel`).
+  """
+  return [v.value if isinstance(v, keras.Variable) else v for v in variables]
+
+
+def logs_without_training_metrics(model, y, outputs):
+  """The public step count: Keras 3's fit cannot carry an empty result."""
+  # pylint: disable=protected-access
+  metrics = model._compile_metrics
+  if metrics is not None and not metrics.built:
+    # Creates the metrics (no update: nothing of the batch enters them), so
+    # that evaluation on held-out data can report them.
+    metrics.build(y, outputs)
+  return {'dp_steps': model.optimizer.dp_steps}

@@ -24,10 +24,14 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 import tensorflow as tf
 
 from tfdpx import clipping
+from tfdpx import per_example
 from tfdpx.forms import dense as dense_forms
 from tfdpx.forms import embedding as embedding_forms
 from tfdpx.forms import materialized as materialized_forms
 from tfdpx.forms import unit as unit_lib
+from tfdpx.keras.stack import keras_version
+
+_key = per_example.variable_key
 
 Grads = List[Tuple[tf.Variable, tf.Tensor]]
 
@@ -84,13 +88,13 @@ class LayerRule:
     """The unit of one recorded call."""
     if self.unit is not None:
       return self.unit(call)
-    variables = call.layer.trainable_weights
+    variables = keras_version.tf_variables(call.layer.trainable_weights)
 
     def grads_of(chunk):
       inputs, tap_grad = chunk
-      given = {v.ref(): g for v, g in self.grads(call.layer, inputs,
-                                                  tap_grad)}
-      return [tf.convert_to_tensor(given[v.ref()]) if v.ref() in given else
+      given = {_key(v): g for v, g in self.grads(call.layer, inputs,
+                                                 tap_grad)}
+      return [tf.convert_to_tensor(given[_key(v)]) if _key(v) in given else
               tf.zeros(tf.concat([tf.shape(tap_grad)[:1], v.shape], 0),
                        v.dtype) for v in variables]
 
@@ -164,7 +168,7 @@ def _backward_weighted_sum(call: RuleCall, forward):
   the weighted tap gradient to the layer's own weights (through its own ops
   only) gives the weighted sum without any per-example gradient.
   """
-  variables = call.layer.trainable_weights
+  variables = keras_version.tf_variables(call.layer.trainable_weights)
 
   def weighted_sum(weights, keep):
     weighted = unit_lib.weighted_rows(call.tap_grad, weights, keep)
@@ -207,8 +211,13 @@ def _conv_forward(layer, inputs):
   # Conv.call (groups == 1, channels_last) without its activation.
   dtype = layer.compute_dtype
   inputs = tf.cast(inputs, dtype)
-  pre = layer.convolution_op(_conv_pad(layer, inputs),
-                             tf.cast(layer.kernel, dtype))
+  # tf.nn.convolution, not layer.convolution_op: Keras 3's passes 'causal'
+  # on, where the padding was already done.
+  pre = tf.nn.convolution(
+      _conv_pad(layer, inputs), tf.cast(layer.kernel, dtype),
+      strides=list(layer.strides),
+      padding='SAME' if layer.padding == 'same' else 'VALID',
+      dilations=list(layer.dilation_rate))
   if layer.use_bias:
     pre = tf.nn.bias_add(pre, tf.cast(layer.bias, dtype))
   return layer.activation(pre), pre
@@ -266,7 +275,7 @@ def _embedding_unit(call: RuleCall) -> unit_lib.Unit:
 
 def _embedding_supports(layer, inputs):
   del inputs
-  return not layer.sparse
+  return not getattr(layer, "sparse", False)  # Keras 3 has none.
 
 
 # --- LayerNormalization / GroupNormalization ---------------------------------
@@ -291,17 +300,25 @@ def _affine_grads(layer, normalized, tap_grad, param_axes):
   return [(v, tf.reshape(g, [-1, *v.shape])) for v, g in grads]
 
 
+def _layer_norm_axes(layer, inputs):
+  # Keras 3 keeps negative axes.
+  return [a % inputs.shape.rank for a in layer.axis]
+
+
 def _layer_norm_grads(layer, inputs, tap_grad):
   x = tf.cast(inputs, tf.float32)
-  mean, variance = tf.nn.moments(x, layer.axis, keepdims=True)
+  axes = _layer_norm_axes(layer, inputs)
+  mean, variance = tf.nn.moments(x, axes, keepdims=True)
   normalized = (x - mean) * tf.math.rsqrt(variance + layer.epsilon)
   return _affine_grads(layer, tf.cast(normalized, tap_grad.dtype), tap_grad,
-                       list(layer.axis))
+                       axes)
 
 
 def _layer_norm_supports(layer, inputs):
-  del inputs
-  return 0 not in layer.axis  # Normalizing over the batch mixes examples.
+  # Normalizing over the batch mixes examples; Keras 3's RMS scaling has no
+  # mean and no beta.
+  return (0 not in _layer_norm_axes(layer, inputs) and
+          not getattr(layer, 'rms_scaling', False))
 
 
 def _group_axis(layer, inputs):

@@ -195,7 +195,9 @@ class _PrivateTraining(keras_version.ModelHooks):
       grads = [g + r for g, r in zip(grads, result.regularization_grads)]
     optimizer.apply_gradients(zip(grads, var_list))
     if not self._dp_release_training_metrics:
-      return {}  # Nothing computed from the private batch.
+      # Nothing computed from the private batch.
+      return keras_version.logs_without_training_metrics(self, y,
+                                                         result.outputs)
     logs = keras_version.training_logs(self, x, y, sample_weight, result)
     # Examples of this (global) batch whose gradient was not finite and was
     # left out: a training metric, not covered by epsilon.
@@ -370,18 +372,14 @@ class DPModel(_PrivateTraining, tf.keras.Model):
 
 
 @tf.keras.utils.register_keras_serializable(package='tfdpx')
-class DPFunctional(DPModel, keras_version.Functional):
-  """A functional `DPModel`: `DPModel(inputs, outputs)` builds one."""
+class DPFunctional(keras_version.FunctionalConstructor, DPModel,
+                   keras_version.Functional):
+  """A functional `DPModel`: `DPModel(inputs, outputs)` builds one.
 
-  def __init__(self, inputs, outputs, *args, **kwargs):
-    """Args:
-      inputs, outputs, *args: as `tf.keras.Model(inputs, outputs, ...)`
-        (`name`, and in Keras 2 `trainable`): a constructor Keras sees as
-        functional, so that it saves and revives the layer graph (`.keras`,
-        `.h5`, SavedModel).
-      **kwargs: those of `tf.keras.Model`, and `DPModel`'s engine arguments.
-    """
-    super().__init__(inputs, outputs, *args, **kwargs)
+  Its constructor is Keras's functional one, `(inputs, outputs, name, ...)`
+  with `DPModel`'s engine arguments by keyword, so that Keras saves and
+  revives the layer graph (`.keras`, `.h5`, SavedModel).
+  """
 
 
 @tf.keras.utils.register_keras_serializable(package='tfdpx')

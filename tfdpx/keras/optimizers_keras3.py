@@ -15,6 +15,7 @@ import keras
 import tensorflow as tf
 from keras.src.utils import tracking
 
+from tfdpx.keras import keras3
 from tfdpx.keras.dp_optimizer import DPOptimizerMixin
 from tfdpx.keras.dp_optimizer import secret_seed
 
@@ -53,6 +54,12 @@ class _Keras3DPOptimizer(DPOptimizerMixin):
                          aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
   def _before_release(self, var_list):
+    if tf.distribute.get_strategy().num_replicas_in_sync > 1:
+      raise NotImplementedError(
+          'tfdpx on Keras 3 does not support tf.distribute with several '
+          'replicas yet (how Keras 3 reduces the replicas\' gradients and '
+          'where it creates the noise key are not verified); train on one '
+          'device, or on the Keras 2 stack (docs/keras3.md)')
     if not self.built:
       with tf.init_scope():
         self.build(var_list)
@@ -66,7 +73,7 @@ class _Keras3DPOptimizer(DPOptimizerMixin):
     variables (`.keras`, matched by position) load into the same ones.
     """
     super().build(variables)
-    state = self._privatizer.init(list(variables))
+    state = self._privatizer.init(keras3.tf_variables(variables))
     self._dp_state_structure = state
     self._dp_state_vars = [
         self._dp_variable(f'dp_state_{i}', value)

@@ -145,7 +145,8 @@ class _Recorder:
       ops = graph.get_operations()[first_op:] if graph is not None else None
       self.fallback_calls.append(_FallbackCall(
           layer, args, kwargs, float_outputs,
-          _unique(list(layer.trainable_weights) + read), own, ops))
+          _unique(keras_version.tf_variables(layer.trainable_weights) +
+                  read), own, ops))
     return outputs
 
   def read_outside(self, read: Sequence[tf.Variable]) -> None:
@@ -437,6 +438,7 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
       the loss).
   """
   inputs = tf.nest.map_structure(tf.convert_to_tensor, inputs)
+  var_list = keras_version.tf_variables(var_list)
   with tf.GradientTape(persistent=True) as tape:
     recorder = _Recorder(tape, use_rules, var_list)
     outputs = recorder.run(model, inputs)

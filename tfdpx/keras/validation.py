@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional
 
 import tensorflow as tf
 
+from tfdpx.keras import stack
 from tfdpx.keras.stack import KERAS_3
 
 # pylint: disable=g-import-not-at-top
@@ -200,8 +201,10 @@ def _check_writes(model, layers, inputs) -> None:
       specs).graph
   owners = {}  # id of a variable's handle -> (variable, layer owning it).
   for layer in layers:
-    for variable in layer.weights:
-      for component in getattr(variable, 'values', (variable,)):
+    for variable, tf_variable in zip(
+        layer.weights, stack.keras_version.tf_variables(layer.weights)):
+      # A distributed variable's graph captures are its components'.
+      for component in getattr(tf_variable, 'values', (tf_variable,)):
         key = id(component.handle)
         if key not in owners or len(layer.weights) <= len(
             owners[key][1].weights):
@@ -217,7 +220,8 @@ def _check_writes(model, layers, inputs) -> None:
     variable, layer = next(iter(written.values()))
     raise ValueError(
         f'layer {layer.name!r} ({type(layer).__name__}) writes the variable '
-        f'{variable.name!r} from the data in a training forward pass: the '
+        f'{getattr(variable, "path", variable.name)!r} from the data in a '
+        'training forward pass: the '
         'variable then holds a function of the batch that no per-example '
         'clip bounds, and checkpoints and the saved model release it. Make '
         'the update independent of the data, move it out of training (e.g. '
@@ -232,7 +236,7 @@ def _taint(root, graph, tainted, handles, written) -> set:
     graph: the graph to scan; its ops come in a topological order.
     tainted: refs of the graph's tensors that depend on the data.
     handles: refs of the graph's variable handles -> (variable, layer).
-    written: filled with variable ref -> (variable, layer) for each model
+    written: filled with id(variable) -> (variable, layer) for each model
       variable written from the data.
 
   Returns:
@@ -254,7 +258,7 @@ def _taint(root, graph, tainted, handles, written) -> set:
       for owner in owned:
         if owner is not None and any(
             d for d, o in zip(dirty, owned) if o is None):
-          written[owner[0].ref()] = owner
+          written[id(owner[0])] = owner
     if any(dirty) and op.type not in _SHAPES:
       tainted.update(t.ref() for t in op.outputs)
   return tainted

@@ -32,9 +32,12 @@ def _block_ids(params: Sequence[tf.Variable], granularity: str) -> List[int]:
     return list(range(len(params)))
   if granularity == 'global':
     return [0] * len(params)
-  # 'layer': Keras 2 names a layer's variables '<layer scope>/<name>:0'.
+  # 'layer': a TensorFlow variable of a Keras layer is named
+  # '<layer scope>/<name>:0'; a Keras 3 variable's `name` is '<name>' alone
+  # and its `path` '<layer path>/<name>'.
   scopes = {}
-  return [scopes.setdefault(p.name.rpartition('/')[0], len(scopes))
+  return [scopes.setdefault(getattr(p, 'path', p.name).rpartition('/')[0],
+                            len(scopes))
           for p in params]
 
 
