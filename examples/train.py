@@ -273,7 +273,7 @@ def run(argv=None):
   trained.compile(
       optimizer,
       tf.keras.losses.SparseCategoricalCrossentropy(
-          from_logits=True, reduction=tf.keras.losses.Reduction.NONE),
+          from_logits=True, reduction='none'),
       weighted_metrics=['accuracy'], jit_compile=FLAGS.jit_compile)
 
   epoch = tf.Variable(0, dtype=tf.int64, trainable=False)

@@ -257,7 +257,7 @@ def test_scalar_loss_gets_an_error_that_says_how_to_fix_it():
   model.compile(tfdpx.keras.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0,
                                   expected_batch_size=8),
                 _loss('sum_over_batch_size'))
-  with pytest.raises(ValueError, match='reduction='none''):
+  with pytest.raises(ValueError, match='reduction=tf.keras.losses.Reduction.NONE'):
     model.fit(x, y, batch_size=8, verbose=0)
 
 
