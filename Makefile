@@ -62,11 +62,12 @@ demo: $(STAMP)
 demo-keras3: $(STAMP3)
 	$(PY3) -m examples.demo
 
+# BENCH_FLAGS: e.g. --models=cnn,mlp --memory_models=cnn (benchmarks/speed.py).
 bench: $(STAMP)
-	$(PY) -m benchmarks.speed
+	$(PY) -m benchmarks.speed $(BENCH_FLAGS)
 
 bench-keras3: $(STAMP3)
-	$(PY3) -m benchmarks.speed
+	$(PY3) -m benchmarks.speed $(BENCH_FLAGS)
 
 clean:
 	rm -rf $(VENV) $(VENV3) build *.egg-info

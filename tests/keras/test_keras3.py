@@ -173,6 +173,27 @@ def test_the_noise_key_stays_out_of_the_saved_file(tmp_path):
   assert not any(a.dtype == np.int64 and np.any(a == secret) for a in found)
 
 
+class _Offset(tf.keras.layers.Layer):
+  """A layer whose Keras name starts with '_' ('_offset')."""
+
+  def build(self, input_shape):
+    self.offset = self.add_weight(name='offset', shape=input_shape[1:])
+
+  def call(self, inputs):
+    return inputs + self.offset
+
+
+def test_a_layer_named_with_a_leading_underscore_trains():
+  # Keras 3 refused its name scope where the engine calls layers directly.
+  model = tfdpx.keras.make_private(tf.keras.Sequential(
+      [tf.keras.Input((3,)), _Offset(), tf.keras.layers.Dense(2)]))
+  model.compile(optimizer=tfdpx.keras.DPSGD(1.0, 1.1, expected_batch_size=4),
+                loss=_loss())
+  model.fit(np.ones((4, 3), 'float32'), np.zeros(4, 'int32'), batch_size=4,
+            verbose=0)
+  assert int(model.optimizer.dp_steps.numpy()) == 1
+
+
 def test_several_replicas_are_refused():
   # Two logical CPUs must be set before TensorFlow starts: a new process.
   script = """

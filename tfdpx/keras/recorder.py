@@ -441,7 +441,10 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
   var_list = keras_version.tf_variables(var_list)
   with tf.GradientTape(persistent=True) as tape:
     recorder = _Recorder(tape, use_rules, var_list)
-    outputs = recorder.run(model, inputs)
+    # Under a scope of its own: Keras 3 opens each layer's name scope, and
+    # at the root a name starting with '_' (from a class `_Layer`) is invalid.
+    with tf.name_scope('tfdpx_engine'):
+      outputs = recorder.run(model, inputs)
     with tf.GradientTape() as loss_tape:
       losses = per_example_loss(outputs)
     recorder.read_outside(loss_tape.watched_variables())
