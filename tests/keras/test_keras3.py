@@ -194,6 +194,19 @@ def test_a_layer_named_with_a_leading_underscore_trains():
   assert int(model.optimizer.dp_steps.numpy()) == 1
 
 
+def test_a_functional_model_with_bare_operations_trains():
+  # Keras 3 keeps `x + y` of two tensors as an operation, not a layer.
+  inputs = tf.keras.Input((4,))
+  hidden = tf.keras.layers.Dense(4)(inputs)
+  outputs = tf.keras.layers.Dense(2)(hidden + inputs)
+  model = tfdpx.keras.make_private(tf.keras.Model(inputs, outputs))
+  model.compile(optimizer=tfdpx.keras.DPSGD(1.0, 1.1, expected_batch_size=4),
+                loss=_loss())
+  model.fit(np.ones((4, 4), 'float32'), np.zeros(4, 'int32'), batch_size=4,
+            verbose=0)
+  assert int(model.optimizer.dp_steps.numpy()) == 1
+
+
 def test_several_replicas_are_refused():
   # Two logical CPUs must be set before TensorFlow starts: a new process.
   script = """

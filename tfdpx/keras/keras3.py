@@ -45,9 +45,9 @@ def run_graph(model, inputs, call: Callable[[Any, Tuple, Dict], Any]):
 
 
 def call_arguments(layer) -> Tuple[bool, bool]:
-  """Whether `layer.call` takes `training` and `mask`."""
-  # pylint: disable-next=protected-access
-  return layer._call_has_training_arg, layer._call_has_mask_arg
+  """Whether `layer.call` takes `training` and `mask` (an operation: no)."""
+  return (getattr(layer, '_call_has_training_arg', False),
+          getattr(layer, '_call_has_mask_arg', False))
 
 
 def _resolve(path, nest):

@@ -114,8 +114,10 @@ class _Recorder:
                                    args[0])
       if any(m is not None for m in tf.nest.flatten(mask)):
         kwargs['mask'] = mask
+    # A Keras 3 functional graph also holds bare operations (`x + y`).
+    weights = getattr(layer, 'trainable_weights', [])
     rule = None
-    if (self.use_rules and layer.trainable_weights and len(args) == 1 and
+    if (self.use_rules and weights and len(args) == 1 and
         set(kwargs) <= {'training', 'mask'}):
       rule = layer_rules.lookup(layer, args[0])
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
@@ -137,15 +139,15 @@ class _Recorder:
         outputs._keras_mask = mask  # pylint: disable=protected-access
       self.rule_calls.append((layer, rule, args[0], tap))
       # The rule's gradients cover its layer's weights and nothing else.
-      owned = {_key(v) for v in layer.trainable_weights}
+      owned = {_key(v) for v in weights}
       self.unattributed.extend(v for v in read if _key(v) not in owned)
-    elif layer.trainable_weights or read:
+    elif weights or read:
       float_outputs = [t for t in tf.nest.flatten(outputs) if _is_float(t)]
       self.tape.watch(float_outputs)
       ops = graph.get_operations()[first_op:] if graph is not None else None
       self.fallback_calls.append(_FallbackCall(
           layer, args, kwargs, float_outputs,
-          _unique(keras_version.tf_variables(layer.trainable_weights) +
+          _unique(keras_version.tf_variables(weights) +
                   read), own, ops))
     return outputs
 
