@@ -183,15 +183,21 @@ class _Offset(tf.keras.layers.Layer):
     return inputs + self.offset
 
 
-def test_a_layer_named_with_a_leading_underscore_trains():
-  # Keras 3 refused its name scope where the engine calls layers directly.
-  model = tfdpx.keras.make_private(tf.keras.Sequential(
-      [tf.keras.Input((3,)), _Offset(), tf.keras.layers.Dense(2)]))
+def _one_private_step(model):
+  """The step count after one step of `model` made private."""
+  model = tfdpx.keras.make_private(model)
   model.compile(optimizer=tfdpx.keras.DPSGD(1.0, 1.1, expected_batch_size=4),
                 loss=_loss())
-  model.fit(np.ones((4, 3), 'float32'), np.zeros(4, 'int32'), batch_size=4,
-            verbose=0)
-  assert int(model.optimizer.dp_steps.numpy()) == 1
+  features = model.inputs[0].shape[-1]
+  model.fit(np.ones((4, features), 'float32'), np.zeros(4, 'int32'),
+            batch_size=4, verbose=0)
+  return int(model.optimizer.dp_steps.numpy())
+
+
+def test_a_layer_named_with_a_leading_underscore_trains():
+  # Keras 3 refused its name scope where the engine calls layers directly.
+  assert _one_private_step(tf.keras.Sequential(
+      [tf.keras.Input((3,)), _Offset(), tf.keras.layers.Dense(2)])) == 1
 
 
 def test_a_functional_model_with_bare_operations_trains():
@@ -199,12 +205,7 @@ def test_a_functional_model_with_bare_operations_trains():
   inputs = tf.keras.Input((4,))
   hidden = tf.keras.layers.Dense(4)(inputs)
   outputs = tf.keras.layers.Dense(2)(hidden + inputs)
-  model = tfdpx.keras.make_private(tf.keras.Model(inputs, outputs))
-  model.compile(optimizer=tfdpx.keras.DPSGD(1.0, 1.1, expected_batch_size=4),
-                loss=_loss())
-  model.fit(np.ones((4, 4), 'float32'), np.zeros(4, 'int32'), batch_size=4,
-            verbose=0)
-  assert int(model.optimizer.dp_steps.numpy()) == 1
+  assert _one_private_step(tf.keras.Model(inputs, outputs)) == 1
 
 
 def test_several_replicas_are_refused():
