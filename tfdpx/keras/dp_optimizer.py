@@ -204,7 +204,7 @@ class DPOptimizerMixin:
     """The most examples per record so far (with `num_microbatches`)."""
     raise NotImplementedError
 
-
+  # --- privacy ---------------------------------------------------------------
 
   @property
   def privatizer(self) -> core.Privatizer:

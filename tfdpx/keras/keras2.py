@@ -80,16 +80,14 @@ def _unreduced(loss, y_true, y_pred, sample_weight) -> tf.Tensor:
   return values
 
 
-def reduces_over_batch(container) -> bool:
+def _reduces_over_batch(container) -> bool:
   """Whether a built loss container's losses reduce over the batch."""
   losses = container._losses  # pylint: disable=protected-access
   return any(loss.reduction != losses_utils.ReductionV2.NONE
              for loss in losses if loss is not None)
 
 
-# The tfdpx optimizer a model with DP arguments makes of each plain Keras
-# The plain Keras optimizers a model with DP arguments converts, and the
-# hyperparameters its tfdpx version takes over.
+# The plain Keras optimizers a model with DP arguments converts.
 PLAIN_OPTIMIZERS = (
     ((tf.keras.optimizers.SGD, tf.keras.optimizers.legacy.SGD), 'SGD'),
     ((tf.keras.optimizers.Adam, tf.keras.optimizers.legacy.Adam), 'Adam'),
@@ -103,7 +101,7 @@ def training_logs(model, x, y, sample_weight, result) -> Dict[str, Any]:
   regularization = None
   if result.regularization_loss is not None:
     regularization = [result.regularization_loss]
-    if not reduces_over_batch(model.compiled_loss):
+    if not _reduces_over_batch(model.compiled_loss):
       # Per example, as Keras's container adds it to unreduced losses.
       regularization = [tf.fill(tf.shape(result.losses),
                                 result.regularization_loss)]
@@ -120,7 +118,6 @@ class ModelHooks:
   is then replaced by a fresh one at compile. Both would restart the step
   count behind epsilon at 0, so models made private carry the state.
   """
-
 
   def save_own_variables(self, store):
     super().save_own_variables(store)
@@ -150,7 +147,6 @@ class ModelHooks:
     # Keras skips compiling a model whose class overrides `compile` when it
     # loads a .keras file; this one compiles as tf.keras.Model does.
     self.compile(**serialization_lib.deserialize_keras_object(config))
-
 
 
 def is_graph_network(layer) -> bool:

@@ -275,7 +275,7 @@ def _embedding_unit(call: RuleCall) -> unit_lib.Unit:
 
 def _embedding_supports(layer, inputs):
   del inputs
-  return not getattr(layer, "sparse", False)  # Keras 3 has none.
+  return not getattr(layer, 'sparse', False)  # Keras 3 has none.
 
 
 # --- LayerNormalization / GroupNormalization ---------------------------------

@@ -303,8 +303,7 @@ class DPModel(_PrivateTraining, tf.keras.Model):
   def __new__(cls, *args, **kwargs):
     # Keras would turn DPModel itself into a Functional subclass for good
     # (inject_functional_model_class); build the functional class instead.
-    if cls is DPModel and keras_version.is_functional_init(args,
-                                                             kwargs):
+    if cls is DPModel and keras_version.is_functional_init(args, kwargs):
       return super().__new__(DPFunctional, *args, **kwargs)
     return super().__new__(cls, *args, **kwargs)
 
