@@ -1,5 +1,8 @@
 """The engine: every statistic, rules and fallback, equals single-example tapes."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -565,6 +568,49 @@ def test_a_deterministic_fallback_call_stays_linear(caplog):
         model.trainable_variables).grads.materialized())(_ids(6, 10)(
             np.random.default_rng(0)))
   assert 'draws random numbers' not in caplog.text
+
+
+@pytest.mark.parametrize('name', ['dense_on_sequences', 'embedding'])
+def test_fallback_calls_on_two_row_batches_equal_the_loop(name, monkeypatch):
+  # Where a vectorized call on one-example batches crashes TensorFlow, each
+  # example runs as two copies, the second with a zero output gradient.
+  padded = []
+  monkeypatch.setattr(recorder, '_one_row_batches_crash',
+                      lambda: padded.append(1) or True)
+  _check_against_the_loop(name, use_rules=False)
+  assert padded
+
+
+_ATTENTION_SCRIPT = """
+import numpy as np, tensorflow as tf
+from tfdpx.keras import recorder
+L = tf.keras.layers
+tf.keras.utils.set_random_seed(1)
+tokens = tf.keras.Input((128, 64))
+attention = L.MultiHeadAttention(4, 16)(tokens, tokens)
+model = tf.keras.Model(tokens, L.Dense(2)(L.GlobalAveragePooling1D()(attention)))
+x = np.random.default_rng(0).normal(size=(4, 128, 64)).astype('float32')
+loss = lambda outputs: tf.reduce_sum(tf.square(outputs), axis=1)
+got = tf.function(lambda x: recorder.model_gradients(
+    model, x, loss, model.trainable_variables).grads.materialized())(x)
+for i in range(4):
+  with tf.GradientTape() as tape:
+    want = tape.gradient(loss(model(x[i:i + 1])), model.trainable_variables)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g[i].numpy(), w.numpy(), rtol=1e-4, atol=1e-6)
+print('equal')
+"""
+
+
+def test_attention_at_transformer_sizes_runs_and_equals_the_loop():
+  # TensorFlow 2.21.0 with oneDNN crashed (segfault) on the vectorized
+  # one-example call of Keras 3's MultiHeadAttention at these sizes: run it
+  # in a process of its own.
+  result = subprocess.run([sys.executable, '-c', _ATTENTION_SCRIPT],
+                          capture_output=True, text=True, timeout=600,
+                          check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.split()[-1] == 'equal'
 
 
 def test_map_rows_pads_and_trims_to_the_batch():

@@ -285,11 +285,14 @@ def _example_grads(call: _FallbackCall):
   flat = tf.nest.flatten((call.args, call.kwargs))
   batched = _batched_positions(call)
 
-  def one_example(elems):
+  def one_example(elems, rows=1):
+    # The example as a batch of `rows` copies; only the first copy's output
+    # gradient is nonzero, so the call's gradient is the example's.
     example = list(flat)
     for i, tensor in zip(batched, elems):
-      example[i] = tensor[tf.newaxis]
-    grads_in = [g[tf.newaxis] for g in elems[len(batched):]]
+      example[i] = tf.stack([tensor] * rows)
+    grads_in = [tf.stack([g] + [tf.zeros_like(g)] * (rows - 1))
+                for g in elems[len(batched):]]
     call_args, call_kwargs = tf.nest.pack_sequence_as((call.args, call.kwargs),
                                                       example)
     with tf.GradientTape() as tape:
@@ -307,8 +310,9 @@ def _example_grads(call: _FallbackCall):
   def grads_of(chunk):
     if _is_recurrent_loop(layer):
       return loop(chunk)  # pfor fails on the gradient of its while loop.
+    rows = 2 if _one_row_batches_crash() else 1
     try:
-      return tf.vectorized_map(one_example, chunk)
+      return tf.vectorized_map(lambda e: one_example(e, rows), chunk)
     except Exception:  # pylint: disable=broad-except
       # pfor cannot vectorize some gradients: loop over the chunk's examples
       # instead; a genuine error in the layer reappears there.
@@ -319,6 +323,26 @@ def _example_grads(call: _FallbackCall):
       return loop(chunk)
 
   return grads_of
+
+
+def _one_row_batches_crash() -> bool:
+  """Whether a vectorized call on batches of one example may crash.
+
+  TensorFlow 2.21.0's oneDNN batch matmul corrupts the heap when a rank-4
+  left operand with an axis of size 1 meets a rank-2 right operand
+  (tensorflow/tensorflow#117700, fixed upstream after 2.21.0). That is what
+  `tf.vectorized_map` makes of a one-example call to a projection, e.g. in
+  Keras 3's MultiHeadAttention. A batch of two rows avoids it at twice the
+  call's cost. TensorFlow 2.15 is not affected (checked); the versions
+  between are taken as affected (not checked).
+  """
+  if tuple(int(p) for p in tf.__version__.split('.')[:2]) < (2, 16):
+    return False
+  try:
+    from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return True
+  return _pywrap_util_port.IsMklEnabled()
 
 
 def _batched_positions(call: _FallbackCall) -> List[int]:
