@@ -93,10 +93,9 @@ def check_private_compatible(model: tf.keras.layers.Layer, inputs: Any = None,
   Raises:
     ValueError: naming the layer and the fix, for a layer that mixes the
       examples of a batch, a stateful layer, a layer computing in float16
-      or bfloat16, an activity regularizer, a layer
-      that writes a model variable from the data in training, or (with
-      `compile_path`) a layer with a weight regularizer or a scalar
-      `add_loss` term.
+      or bfloat16, an activity regularizer, a layer that writes a model
+      variable from the data in training, or (with `compile_path`) a layer
+      with a weight regularizer or a scalar `add_loss` term.
   """
   layers = _layers(model)
   for layer in layers:
