@@ -11,7 +11,8 @@ tensorflow-privacy's `DPSequential`. The protocol:
   (tracing and compilation are not timed);
 - then `--repetitions` rounds, each timing one whole `fit` call of
   `--steps` steps per configuration, round-robin, so that load on the machine
-  hits every configuration alike; no callbacks, `verbose=0`, no shuffling;
+  hits every configuration alike; no callbacks, `verbose=0`, the same
+  pre-made batches for every configuration (see `batches`);
 - a configuration's figure is its fastest round divided by the number of
   steps, and its ratio is that over the non-private figure of the same model
   and batch from the same run.
@@ -220,23 +221,42 @@ def build(model_name, batch, config):
   return model
 
 
-def _fit_seconds(model, x, y, batch):
+def batches(model_name, batch, steps):
+  """`steps` batches of random data, the same input for every configuration.
+
+  The batches are made up front and tf.data's autotuning is off. With it on,
+  the iterator that ends each `fit` call sometimes waits for the autotuning
+  thread's next timed wake-up (its period doubles from 10 ms) instead of being
+  woken at once: the call then ends at a fixed time, e.g. 5.1 s after it
+  started, whatever the steps cost. This was the "slow mode" of earlier runs
+  (about 645 ms per step for 8 steps of any configuration that took 2.6 to
+  5.1 s); it is not part of a training step.
+  """
+  x, y = data(model_name, batch * steps)
+  dataset = tf.data.Dataset.from_tensor_slices(
+      (x.reshape((steps, batch) + x.shape[1:]), y.reshape((steps, batch))))
+  options = tf.data.Options()
+  options.autotune.enabled = False
+  return dataset.prefetch(2).with_options(options)
+
+
+def _fit_seconds(model, dataset):
   start = time.perf_counter()
-  model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+  model.fit(dataset, epochs=1, verbose=0)
   return time.perf_counter() - start
 
 
 def time_model(model_name, batch):
   """{config: seconds per step}, interleaved round-robin in this process."""
-  x, y = data(model_name, batch * FLAGS.steps)
+  dataset = batches(model_name, batch, FLAGS.steps)
   models = {}
   for config in configs(model_name):
     models[config] = build(model_name, batch, config)
-    _fit_seconds(models[config], x, y, batch)  # Traces and compiles.
+    _fit_seconds(models[config], dataset)  # Traces and compiles.
   best = {config: float('inf') for config in models}
   for _ in range(FLAGS.repetitions):
     for config, model in models.items():
-      best[config] = min(best[config], _fit_seconds(model, x, y, batch))
+      best[config] = min(best[config], _fit_seconds(model, dataset))
   return {config: seconds / FLAGS.steps for config, seconds in best.items()}
 
 
@@ -255,8 +275,7 @@ def peak_rss_mib(model_name, batch, config):
 def _probe():
   model_name, batch, config = FLAGS.memory_probe.split(',')
   batch = int(batch)
-  x, y = data(model_name, batch * 3)
-  _fit_seconds(build(model_name, batch, config), x, y, batch)
+  _fit_seconds(build(model_name, batch, config), batches(model_name, batch, 3))
   # VmHWM: this process image's own high-water mark.
   with open('/proc/self/status') as status:
     kib = next(int(line.split()[1]) for line in status
