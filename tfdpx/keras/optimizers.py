@@ -30,8 +30,8 @@ JACOBIAN_WARNING = (
     'the square of the batch size: at batch 250 a step of the tensorflow-'
     'privacy tutorial CNN measured 350 times a non-private step. Train '
     'tfdpx.keras.make_private(model) instead: the same optimizer, per-layer '
-    'per-example statistics in linear time (2 times a non-private step '
-    'on that CNN; see benchmarks/README.md).')
+    'per-example statistics in linear time (2.3 times a non-private step '
+    'on that CNN at batch 256; see benchmarks/README.md).')
 
 NO_MODEL_WARNING = (
     'tfdpx: this optimizer was not called from the train step of the Keras '
