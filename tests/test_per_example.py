@@ -269,6 +269,26 @@ def _check_against_the_loop(name, **kwargs):
   _check_statistics(grads, expected)
 
 
+@pytest.mark.parametrize('name', sorted(MODELS))
+def test_weighted_sums_keep_the_variables_static_shapes(name):
+  # Privatizers read sizes from the released sums (D2P2's projection), and
+  # the batch size is unknown when `fit` traces the step.
+  model, x, y, _ = _problem(name)
+  loss = lambda outputs: _squared_error(y[:1], outputs)  # pylint: disable=g-long-lambda
+
+  @tf.function(input_signature=[tf.nest.map_structure(
+      lambda t: tf.TensorSpec([None] + list(t.shape[1:]), t.dtype), x)])
+  def sums(x):
+    grads = recorder.model_gradients(
+        model, x, loss, model.trainable_variables).grads
+    got = grads.weighted_sum(tf.ones([tf.shape(tf.nest.flatten(x)[0])[0]]))
+    for g, v in zip(got, model.trainable_variables):
+      assert g.shape == v.shape, (v.name, g.shape, v.shape)
+    return got
+
+  sums.get_concrete_function()
+
+
 @pytest.mark.parametrize('name', ['dense', 'dense_on_sequences', 'conv2d',
                                   'embedding', 'tied_before'])
 def test_weighted_sums_of_large_units_equal_the_loop(name, monkeypatch):
