@@ -30,7 +30,7 @@ JACOBIAN_WARNING = (
     'the square of the batch size: at batch 250 a step of the tensorflow-'
     'privacy tutorial CNN measured 350 times a non-private step. Train '
     'tfdpx.keras.make_private(model) instead: the same optimizer, per-layer '
-    'per-example statistics in linear time (2.3 times a non-private step '
+    'per-example statistics in linear time (about 2 times a non-private step '
     'on that CNN at batch 256; see benchmarks/README.md).')
 
 NO_MODEL_WARNING = (
