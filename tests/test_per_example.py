@@ -274,7 +274,7 @@ def test_weighted_sums_keep_the_variables_static_shapes(name):
   # Privatizers read sizes from the released sums (D2P2's projection), and
   # the batch size is unknown when `fit` traces the step.
   model, x, y, _ = _problem(name)
-  loss = lambda outputs: _squared_error(y[:1], outputs)  # pylint: disable=g-long-lambda
+  loss = lambda outputs: _squared_error(y[:1], outputs)
 
   @tf.function(input_signature=[tf.nest.map_structure(
       lambda t: tf.TensorSpec([None] + list(t.shape[1:]), t.dtype), x)])
