@@ -58,11 +58,11 @@ class EmbeddingUnit(unit.Unit):
     batch = tf.shape(tap_grad)[0]
     self._batch = batch
     ids = tf.reshape(tf.cast(ids, tf.int64), [batch, -1])
-    example = tf.broadcast_to(tf.range(batch, dtype=tf.int64)[:, tf.newaxis],
-                              tf.shape(ids))
+    batch64 = tf.cast(batch, tf.int64)
+    example = tf.broadcast_to(tf.range(batch64)[:, tf.newaxis], tf.shape(ids))
     # Id-major keys: the pairs come out sorted by id, so the weighted sum
     # into the table is a sorted segment sum too.
-    keys = tf.reshape(ids * tf.cast(batch, tf.int64) + example, [-1])
+    keys = tf.reshape(ids * batch64 + example, [-1])
     # One segment per (example, id) pair present, by sorting (tf.unique has
     # no XLA kernel). The slots past the number of pairs stay empty (zero
     # rows) and take the last pair's key, so that ids stay sorted.
@@ -75,8 +75,8 @@ class EmbeddingUnit(unit.Unit):
     pair = tf.gather(
         tf.math.unsorted_segment_max(keys, segment, slots),
         tf.minimum(tf.range(slots), self._pairs - 1))
-    self._example = tf.cast(pair % tf.cast(batch, tf.int64), tf.int32)
-    self._id = tf.cast(pair // tf.cast(batch, tf.int64), tf.int32)
+    self._example = tf.cast(pair % batch64, tf.int32)
+    self._id = tf.cast(pair // batch64, tf.int32)
     self._rows = sorted_segment_sum(
         tf.gather(tf.reshape(tap_grad, [-1, self._dim]), order), segment,
         slots)
