@@ -201,6 +201,11 @@ def test_blocked_cumulative_sum(n):
     got = hyperspherical._cumsum(t, exclusive=exclusive, reverse=reverse)
     np.testing.assert_allclose(got.numpy(), want, rtol=0,
                                atol=1e-14 * scale)
+    # Rows are scanned independently: the second row is the first times -3.
+    rows = hyperspherical._cumsum(tf.stack([t, -3.0 * t]),
+                                  exclusive=exclusive, reverse=reverse)
+    np.testing.assert_allclose(rows.numpy(), [want, -3.0 * want], rtol=0,
+                               atol=3e-14 * scale)
 
 
 def test_invalid_lengths_raise():

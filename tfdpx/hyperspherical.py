@@ -45,38 +45,43 @@ _LOG_ZERO = -1e4
 
 def _cumsum(x: tf.Tensor, *, exclusive: bool = False,
             reverse: bool = False) -> tf.Tensor:
-  """Cumulative sum of a vector, fast eager and under XLA.
+  """Cumulative sums along the last axis, fast eager and under XLA.
 
   `tf.math.cumsum` compiles under XLA to a reduce-window whose CPU cost is
-  quadratic in the length (minutes at d = 10^6). Here the vector is cut into
+  quadratic in the length (minutes at d = 10^6). Here each row is cut into
   blocks of `_BLOCK`, each block is summed by a product with a triangular
-  matrix of ones, and the block totals are scanned recursively: O(n) work,
-  the same numbers eager and compiled, rounding error growing with the block
-  length and log n rather than with n.
+  matrix of ones (lower for `reverse`, so nothing is reversed), and the
+  block totals are scanned recursively: O(n) work, the same numbers eager and
+  compiled, rounding error growing with the block length and log n rather
+  than with n.
 
   Args:
-    x: a 1-D tensor of static length n.
+    x: a tensor `[..., n]` of static shape.
     exclusive: leave out each element itself (the first output is 0).
     reverse: sum from the end.
 
   Returns:
     A tensor like `x`.
   """
-  if x.shape[0] == 0:
+  n = x.shape[-1]
+  if n == 0:
     return x
-  if reverse:
-    return tf.reverse(_cumsum(tf.reverse(x, [0]), exclusive=exclusive), [0])
   if exclusive:
-    return tf.concat([tf.zeros_like(x[:1]), _cumsum(x[:-1])], axis=0)
-  n = x.shape[0]
+    zero = tf.zeros_like(x[..., :1])
+    if reverse:
+      return tf.concat([_cumsum(x[..., 1:], reverse=True), zero], axis=-1)
+    return tf.concat([zero, _cumsum(x[..., :-1])], axis=-1)
+  rows = x.shape[:-1]
   block = min(_BLOCK, n)
   blocks = -(-n // block)
-  padded = tf.concat([x, tf.zeros([blocks * block - n], x.dtype)], axis=0)
-  upper = tf.constant(np.triu(np.ones((block, block))), x.dtype)
-  within = tf.matmul(tf.reshape(padded, [blocks, block]), upper)
+  padding = [[0, 0]] * len(rows) + [[0, blocks * block - n]]
+  padded = tf.reshape(tf.pad(x, padding), rows + [blocks, block])
+  ones = np.triu(np.ones((block, block)))
+  within = tf.matmul(padded, tf.constant(ones.T if reverse else ones, x.dtype))
   if blocks > 1:
-    within += _cumsum(within[:, -1], exclusive=True)[:, tf.newaxis]
-  return tf.reshape(within, [-1])[:n]
+    totals = within[..., 0] if reverse else within[..., -1]
+    within += _cumsum(totals, exclusive=True, reverse=reverse)[..., tf.newaxis]
+  return tf.reshape(within, rows + [blocks * block])[..., :n]
 
 
 def _check_length(d):
@@ -139,15 +144,17 @@ def to_cartesian(r: tf.Tensor, theta: tf.Tensor) -> tf.Tensor:
   r = tf.cast(r, tf.float64)
   sin, cos = tf.sin(theta), tf.cos(theta)
   # log|sin| <= 0, so the log prefix never increases: a zero sine, logged as
-  # _LOG_ZERO (far below the log of the smallest float64), makes every later
-  # prefix exp(...) == 0 exactly, without -inf or NaN.
-  log_abs = tf.where(tf.equal(sin, 0.0),
-                     tf.fill(tf.shape(sin), tf.constant(_LOG_ZERO, tf.float64)),
-                     tf.math.log(tf.abs(sin)))
-  # prefix[k] = prod_{i < k} sin(theta[i]), for k = 0 .. d - 1.
-  log_prefix = _cumsum(tf.concat([log_abs, [0.0]], 0), exclusive=True)
-  negatives = _cumsum(
-      tf.concat([tf.cast(sin < 0, tf.float64), [0.0]], 0), exclusive=True)
-  sign = 1.0 - 2.0 * tf.math.floormod(negatives, 2.0)  # Counts are exact.
+  # _LOG_ZERO (far below the log of the smallest float64) instead of -inf,
+  # makes every later prefix exp(...) == 0 exactly, without NaN.
+  log_abs = tf.maximum(tf.math.log(tf.abs(sin)), _LOG_ZERO)
+  # prefix[k] = prod_{i < k} sin(theta[i]), for k = 0 .. d - 1, from one
+  # scan of two rows: log |sin| and the count of negative sines.
+  log_prefix, negatives = tf.unstack(tf.pad(
+      _cumsum(tf.stack([log_abs, tf.cast(sin < 0, tf.float64)])),
+      [[0, 0], [1, 0]]))
+  # The counts are exact integers, so half of one is whole or whole + 0.5;
+  # this parity is exact and ten times faster than float64 FloorMod on CPU.
+  half = 0.5 * negatives
+  sign = 1.0 - 4.0 * (half - tf.floor(half))
   prefix = sign * tf.exp(log_prefix)
   return r * prefix * tf.concat([cos, [1.0]], 0)
