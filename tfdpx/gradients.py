@@ -204,9 +204,10 @@ class MaterializedGradients(PerExampleGradients):
     return tf.shape(self._grads[0])[0]
 
   def sq_norms(self):
-    flats = [_flat(tf.cast(g, tf.float32)) for g in self._grads]
-    # A contraction, not a [B, ...] temporary of squares.
-    return [tf.einsum('bn,bn->b', f, f) for f in flats]
+    # Not the contraction einsum('bn,bn->b'), which avoids the temporary of
+    # squares but runs as B dot products: 3 to 8 times slower on CPU.
+    return [tf.reduce_sum(tf.square(_flat(tf.cast(g, tf.float32))), axis=1)
+            for g in self._grads]
 
   def dots(self, directions, rows=None):
     if len(directions) != len(self._grads):
