@@ -517,7 +517,7 @@ def test_a_non_finite_example_is_dropped_and_the_others_are_untouched(
 
   dropped = tf.function(lambda x: recorder.model_gradients(
       model, x, loss, model.trainable_variables, chunk_size=2,
-      use_rules=use_rules).dropped_records)(x)
+      use_rules=use_rules).grads.dropped_records())(x)
   assert dropped.numpy() == 1
   _check_statistics(_InGraph(model, x, loss, chunk_size=2, use_rules=use_rules),
                     expected)
@@ -655,26 +655,48 @@ def test_chunks_run_one_after_the_other():
   assert all(op.get_attr('parallel_iterations') == 1 for op in loops)
 
 
-def test_a_kernel_with_ghost_norms_keeps_no_per_example_gradients(
+def test_a_kernel_is_formed_once_and_only_when_read_beyond_ghost_norms(
     monkeypatch):
-  # Its norms need no [B, *kernel.shape] tensor and a privatizer reads its
-  # other statistics once at most: keeping that tensor would only hold
-  # memory. A kernel without the ghost form keeps it for several statistics.
+  # Norms alone (DP-SGD) need no [B, *kernel.shape] tensor where the kernel
+  # has the ghost form; once another statistic forms it, every later
+  # statistic of the step reuses it. A kernel without the ghost form is
+  # formed for its norms too, once.
   formed = []
-  materialized = dense_forms.ProductUnit.materialized
+  all_kernels = dense_forms.ProductUnit._all_kernels  # pylint: disable=protected-access
 
   def recording(unit):
-    formed.append(unit.variables[0].name)
-    return materialized(unit)
+    formed.append(unit.variables[0].path if hasattr(unit.variables[0], 'path')
+                  else unit.variables[0].name)
+    return all_kernels(unit)
 
-  monkeypatch.setattr(dense_forms.ProductUnit, 'materialized', recording)
-  for name, kept in (('conv2d_ghost', 0), ('conv2d', 3)):
+  monkeypatch.setattr(dense_forms.ProductUnit, '_all_kernels', recording)
+  # The first layer's kernel: ghost norms in one model, none in the other.
+  for name, after_norms in (('conv2d_ghost', 0), ('conv2d', 1)):
     model, x, y, rng = _problem(name)
-    grads = _InGraph(model, x, lambda outputs: _squared_error(y, outputs),
-                     chunk_size=2)
-    grads.dots([rng.normal(size=(3, *v.shape)).astype('float32')
-                for v in model.trainable_variables])
-    assert len(formed) == kept, (name, formed)
+    first = model.layers[0].kernel
+    first = first.path if hasattr(first, 'path') else first.name
+    directions = [rng.normal(size=(3, *v.shape)).astype('float32')
+                  for v in model.trainable_variables]
+    weights = rng.normal(size=(x.shape[0], 2)).astype('float32')
+    counts = []
+
+    @tf.function
+    def statistics(x):
+      grads = recorder.model_gradients(
+          model, x, lambda outputs: _squared_error(y, outputs),  # pylint: disable=cell-var-from-loop
+          model.trainable_variables, chunk_size=2).grads
+      grads.sq_norms()
+      counts.append(formed.count(first))  # pylint: disable=cell-var-from-loop
+      for _ in range(2):
+        grads.dots(directions)  # pylint: disable=cell-var-from-loop
+        grads.weighted_sums(weights)  # pylint: disable=cell-var-from-loop
+      counts.append(formed.count(first))  # pylint: disable=cell-var-from-loop
+      return grads.sq_norms()
+
+    statistics(x)
+    assert counts == [after_norms, 1], (name, formed)
+    # Every unit formed its kernels once at most.
+    assert len(set(formed)) == len(formed), (name, formed)
     formed.clear()
 
 

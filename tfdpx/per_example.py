@@ -89,16 +89,17 @@ class GradientResult(NamedTuple):
     losses: the `[B]` per-example losses (NaN where an example's is).
     regularization_loss: the sum of `model.losses`, or None if there are none.
     regularization_grads: its gradient, one tensor per variable, or None.
-    dropped_records: the int32 number of examples whose gradient was not
-      finite and was dropped. It depends on the data and no epsilon covers
-      it, like a training metric.
+
+  How many examples were dropped for a non-finite gradient is
+  `grads.dropped_records()`, asked for after the privatizer's statistics: the
+  first statistic a unit answers decides whether it keeps its per-example
+  kernel gradients (`tfdpx.forms.dense.ProductUnit`).
   """
   grads: gradients.PerExampleGradients
   outputs: Any
   losses: tf.Tensor
   regularization_loss: Optional[tf.Tensor]
   regularization_grads: Optional[List[tf.Tensor]]
-  dropped_records: tf.Tensor
 
 
 class UnitGradients(gradients.PerExampleGradients):

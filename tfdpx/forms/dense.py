@@ -103,23 +103,31 @@ class ProductUnit(unit.Unit):
     grads = tf.einsum('ctp,cto->cpo', a, d)
     return tf.reshape(grads, [-1, *self._kernel_shape(rows)])
 
+  def _all_kernels(self) -> tf.Tensor:
+    """`[B, *kernel.shape]`, formed chunk by chunk."""
+    return chunks.map_rows(
+        lambda chunk: [self._kernel_of(chunk)], self._elems + [self._d],
+        self._chunk_size, [tf.TensorSpec(self._kernel.shape, self._d.dtype)])[0]
+
+  def _small(self) -> bool:
+    return self._kernel.shape.num_elements() <= CACHED_KERNEL_SIZE
+
   def _cached_kernel(self) -> Optional[tf.Tensor]:
     """`[B, *kernel.shape]`, formed once, if one example's is small.
 
-    Several statistics of one step (the finite check's norms, a privatizer's
-    norms, dots or masked norms) then reduce the same tensor instead of
-    forming the patches and products again; a larger kernel is formed chunk
-    by chunk for each statistic, so memory stays bounded by the chunk. So is
-    a kernel whose norms have the ghost form: the privatizers then read its
-    gradients once at most (dots or masked norms), and keeping them would
-    only hold `[B, *kernel.shape]` (the tutorial CNN's second
-    convolution at batch 1024: 32 MiB, 64 while stacked).
+    Every later statistic of the step (norms, dots, masked norms, weighted
+    sums) then reduces the same tensor instead of forming the patches and
+    products again: GEP reads the tutorial CNN's second convolution four times
+    a step (the dots of its two groups, the finite check's norms, the
+    anchors' weighted sums). A larger kernel is formed chunk by chunk for each
+    statistic, so memory stays bounded by the chunk. `sq_norms` of a kernel
+    with the ghost form does not call this: DP-SGD, which asks only for
+    norms, never forms its per-example gradients.
     """
-    if (self._ghost() or
-        self._kernel.shape.num_elements() > CACHED_KERNEL_SIZE):
+    if self._kernel.shape.num_elements() > CACHED_KERNEL_SIZE:
       return None
     if self._kernel_cache is None:
-      self._kernel_cache = self.materialized()[0]
+      self._kernel_cache = self._all_kernels()
     return self._kernel_cache
 
   def _kernel_rows(self, statistic, spec: tf.TensorSpec,
@@ -154,7 +162,7 @@ class ProductUnit(unit.Unit):
       a = tf.cast(self._a(), tf.float32)
       kernel = (tf.reduce_sum(tf.square(a), axis=[1, 2]) *
                 tf.reduce_sum(tf.square(d), axis=[1, 2]))
-    elif self._ghost():
+    elif self._ghost() and self._kernel_cache is None:  # Else reuse it.
       def ghost(chunk):
         *elems, g = chunk
         a = tf.cast(self._rows_of(elems), tf.float32)
@@ -285,10 +293,7 @@ class ProductUnit(unit.Unit):
     return out
 
   def materialized(self):
-    if self._kernel_cache is not None:
-      return self._with_bias(self._kernel_cache, lambda g: g.materialized())
-    kernel = chunks.map_rows(
-        lambda chunk: [self._kernel_of(chunk)], self._elems + [self._d],
-        self._chunk_size,
-        [tf.TensorSpec(self._kernel.shape, self._d.dtype)])[0]
+    kernel = self._cached_kernel()
+    if kernel is None:
+      kernel = self._all_kernels()
     return self._with_bias(kernel, lambda g: g.materialized())

@@ -201,7 +201,8 @@ class _PrivateTraining(keras_version.ModelHooks):
     logs = keras_version.training_logs(self, x, y, sample_weight, result)
     # Examples of this (global) batch whose gradient was not finite and was
     # left out: a training metric, not covered by epsilon.
-    logs['dropped_records'] = noise.replica_sum([result.dropped_records])[0]
+    logs['dropped_records'] = noise.replica_sum(
+        [result.grads.dropped_records()])[0]
     return logs
 
   def _privatize(self, optimizer, grads, var_list):

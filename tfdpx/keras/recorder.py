@@ -524,8 +524,7 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
   ]
   value = per_example.UnitGradients(var_list, units, tf.shape(losses)[0])
   return per_example.GradientResult(value, outputs, losses, regularization,
-                                    regularization_grads,
-                                    value.dropped_records())
+                                    regularization_grads)
 
 
 def public_gradients(model: tf.keras.Model, inputs: Any, targets: Any,
