@@ -66,6 +66,7 @@ class ProductUnit(unit.Unit):
     self._in = kernel.shape.num_elements() // self._out
     self._bias_rows = None
     self._kernel_cache = None
+    self._cross_parts = {}
 
   # --- helpers ---------------------------------------------------------------
 
@@ -264,14 +265,24 @@ class ProductUnit(unit.Unit):
     """
     if not self.cross_gram_form(other):
       raise NotImplementedError('cross Grams need two units on vectors')
-    a, a_other = [tf.cast(u._a()[:, 0], dtype) for u in (self, other)]  # pylint: disable=protected-access
-    d, d_other = [tf.cast(u._d[:, 0], dtype) for u in (self, other)]  # pylint: disable=protected-access
+
+    def part(side, lo, hi):
+      """`x[:, lo:hi] x'[:, lo:hi]^T` for x = a or d, formed once a step.
+
+      GEP's groups cut a layer's kernel into spans and ask for each: the
+      column Gram of whole rows (all of D) recurs in every span.
+      """
+      key = (other, dtype, side, lo, hi)
+      if key not in self._cross_parts:
+        x, x_other = [tf.cast(u._a() if side == 'a' else u._d, dtype)[:, 0]  # pylint: disable=protected-access
+                      for u in (self, other)]
+        self._cross_parts[key] = tf.matmul(x[:, lo:hi], x_other[:, lo:hi],
+                                           transpose_b=True)
+      return self._cross_parts[key]
 
     def gram(rows, columns):
       """`sum` over kernel rows `rows` and columns `columns` of the products."""
-      (r0, r1), (c0, c1) = rows, columns
-      return (tf.matmul(a[:, r0:r1], a_other[:, r0:r1], transpose_b=True) *
-              tf.matmul(d[:, c0:c1], d_other[:, c0:c1], transpose_b=True))
+      return part('a', *rows) * part('d', *columns)
 
     out = [None] * len(self.variables)
     if spans[0] is not None:
@@ -287,9 +298,7 @@ class ProductUnit(unit.Unit):
           terms.append(gram((q1, q1 + 1), (0, c1)))
       out[0] = tf.add_n(terms)
     if self._bias is not None and spans[1] is not None:
-      start, stop = spans[1]
-      out[1] = tf.matmul(d[:, start:stop], d_other[:, start:stop],
-                         transpose_b=True)
+      out[1] = part('d', *spans[1])
     return out
 
   def materialized(self):
