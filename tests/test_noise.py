@@ -43,10 +43,10 @@ def test_tails_reach_as_far_as_53_bit_uniforms_allow():
   # The smallest uniform, 2^-54, gives the largest radius: a float32
   # uniform would stop at sqrt(-2 log 2^-25) = 5.9, cutting the tail where
   # a neighbouring dataset's shifted noise still has mass.
-  zero = tf.zeros([1, 3], tf.uint32)
+  zero = tf.zeros([3, 1], tf.uint32)
   largest = noise.box_muller(zero).numpy()
   assert largest[0] == pytest.approx(math.sqrt(2 * 54 * math.log(2)), rel=1e-6)
-  ones = tf.fill([1, 3], tf.constant(0xFFFFFFFF, tf.uint32))
+  ones = tf.fill([3, 1], tf.constant(0xFFFFFFFF, tf.uint32))
   smallest = noise.box_muller(ones).numpy()
   assert np.all(np.abs(smallest) < 1e-7)
 
@@ -57,3 +57,10 @@ def test_xla_draws_agree_with_the_default_kernels():
   compiled = tf.function(noise.standard_normal, jit_compile=True)(
       tf.constant([1000]), seed).numpy()
   np.testing.assert_allclose(compiled, eager, rtol=1e-6, atol=1e-6)
+
+
+def test_stddev_scales_every_draw():
+  seed = tf.constant([8, 9], tf.int64)
+  unit = noise.standard_normal([1001], seed).numpy()
+  scaled = noise.standard_normal([1001], seed, 2.5).numpy()
+  np.testing.assert_allclose(scaled, 2.5 * unit, rtol=1e-15)

@@ -30,8 +30,8 @@ def _float64(value) -> tf.Tensor:
   return tf.constant(value, tf.float64)
 
 
-def standard_normal(shape, seed: tf.Tensor) -> tf.Tensor:
-  """N(0, 1) draws of `shape` in float64, from raw Philox bits.
+def standard_normal(shape, seed: tf.Tensor, stddev=1.0) -> tf.Tensor:
+  """N(0, stddev^2) draws of `shape` in float64, from raw Philox bits.
 
   `tf.random.stateless_normal` gives different numbers under XLA than on the
   default CPU kernels for the same seed, and its float32 version cannot
@@ -41,6 +41,8 @@ def standard_normal(shape, seed: tf.Tensor) -> tf.Tensor:
   Args:
     shape: output shape (list or 1-D int tensor).
     seed: int64 `[2]` seed.
+    stddev: standard deviation (Python number or scalar tensor); it scales
+      the radius of each pair (half the products of scaling the draws).
 
   Returns:
     A float64 tensor of `shape`.
@@ -48,14 +50,15 @@ def standard_normal(shape, seed: tf.Tensor) -> tf.Tensor:
   shape = tf.cast(shape, tf.int32)
   size = tf.reduce_prod(shape)
   pairs = (size + 1) // 2
+  # One draw, in rows: each word's slice is contiguous.
   bits = tf.random.stateless_uniform(
-      tf.stack([pairs, 3]), seed, minval=None, maxval=None, dtype=tf.uint32,
+      tf.stack([3, pairs]), seed, minval=None, maxval=None, dtype=tf.uint32,
       alg=_ALG)
-  return tf.reshape(box_muller(bits)[:size], shape)
+  return tf.reshape(box_muller(bits, stddev)[:size], shape)
 
 
-def box_muller(bits: tf.Tensor) -> tf.Tensor:
-  """Two N(0, 1) float64 draws from each row of three random 32-bit words.
+def box_muller(bits: tf.Tensor, stddev=1.0) -> tf.Tensor:
+  """Two N(0, stddev^2) float64 draws from each column of three 32-bit words.
 
   The radius `sqrt(-2 log u)` takes a 53-bit uniform `u` (words 0 and 1),
   so draws reach 8.6 standard deviations, as far as float64 inverse-CDF
@@ -66,19 +69,21 @@ def box_muller(bits: tf.Tensor) -> tf.Tensor:
   the cost of float64 trigonometry.
 
   Args:
-    bits: uint32 `[n, 3]`.
+    bits: uint32 `[3, n]`.
+    stddev: standard deviation (Python number or scalar tensor).
 
   Returns:
     float64 `[2 n]`: the cosine draws, then the sine draws.
   """
-  high = tf.cast(tf.bitwise.right_shift(bits[:, 0], 5), tf.float64)
-  low = tf.cast(tf.bitwise.right_shift(bits[:, 1], 6), tf.float64)
+  high = tf.cast(tf.bitwise.right_shift(bits[0], 5), tf.float64)
+  low = tf.cast(tf.bitwise.right_shift(bits[1], 6), tf.float64)
   uniform = (high * 2.0**26 + low + 0.5) * 2.0**-53  # In (0, 1), never 0 or 1.
-  radius = tf.sqrt(-2.0 * tf.math.log(uniform))
-  turn = tf.cast(tf.bitwise.right_shift(bits[:, 2], 8), tf.float32)
+  radius = tf.sqrt(-2.0 * tf.math.log(uniform)) * _float64(stddev)
+  turn = tf.cast(tf.bitwise.right_shift(bits[2], 8), tf.float32)
   angle = (turn + 0.5) * (2.0 * math.pi * 2.0**-24)
-  return tf.concat([radius * tf.cast(tf.cos(angle), tf.float64),
-                    radius * tf.cast(tf.sin(angle), tf.float64)], axis=0)
+  return tf.reshape(
+      radius * tf.cast(tf.stack([tf.cos(angle), tf.sin(angle)]), tf.float64),
+      [-1])
 
 
 def substream(seed: tf.Tensor, name: str) -> tf.Tensor:
@@ -114,8 +119,9 @@ def gaussian_like(
   """
   tensors = [tf.convert_to_tensor(t) for t in tensors]
   sizes = [tf.size(t) for t in tensors]
-  draws = tf.split(standard_normal(tf.reshape(tf.add_n(sizes), [1]), seed) *
-                   _float64(stddev), tf.stack(sizes), num=len(tensors))
+  draws = tf.split(
+      standard_normal(tf.reshape(tf.add_n(sizes), [1]), seed, stddev),
+      tf.stack(sizes), num=len(tensors))
   return [tf.cast(tf.reshape(d, tf.shape(t)), t.dtype)
           for d, t in zip(draws, tensors)]
 
