@@ -110,20 +110,18 @@ class ProductUnit(unit.Unit):
         lambda chunk: [self._kernel_of(chunk)], self._elems + [self._d],
         self._chunk_size, [tf.TensorSpec(self._kernel.shape, self._d.dtype)])[0]
 
-  def _small(self) -> bool:
-    return self._kernel.shape.num_elements() <= CACHED_KERNEL_SIZE
-
   def _cached_kernel(self) -> Optional[tf.Tensor]:
     """`[B, *kernel.shape]`, formed once, if one example's is small.
 
     Every later statistic of the step (norms, dots, masked norms, weighted
     sums) then reduces the same tensor instead of forming the patches and
-    products again: GEP reads the tutorial CNN's second convolution four times
-    a step (the dots of its two groups, the finite check's norms, the
-    anchors' weighted sums). A larger kernel is formed chunk by chunk for each
-    statistic, so memory stays bounded by the chunk. `sq_norms` of a kernel
-    with the ghost form does not call this: DP-SGD, which asks only for
-    norms, never forms its per-example gradients.
+    products again: GEP reads the tutorial CNN's second convolution three
+    times a step on the private batch (the dots of its two groups, the finite
+    check's norms) and five on the anchors (also each group's weighted sums).
+    A larger kernel is formed chunk by chunk for each statistic, so memory
+    stays bounded by the chunk. `sq_norms` of a kernel with the ghost form
+    does not call this: DP-SGD, which asks only for norms, never forms its
+    per-example gradients.
     """
     if self._kernel.shape.num_elements() > CACHED_KERNEL_SIZE:
       return None
