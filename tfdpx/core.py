@@ -13,6 +13,7 @@ import dp_accounting
 import tensorflow as tf
 
 from tfdpx import gradients
+from tfdpx import noise
 
 State = Dict[str, Any]
 PerExampleGradientsLike = Union[gradients.PerExampleGradients,
@@ -33,10 +34,16 @@ def register(cls):
 class Privatizer(abc.ABC):
   """Base class of the noise steps.
 
-  Subclasses implement `update` and `dp_event`, keep their hyperparameters in
-  `config` (JSON-able; `from_config(config)` rebuilds an equal privatizer) and
-  never hold Python state that changes during training: everything that
-  changes lives in the `state` nest that `init` creates and `update` returns.
+  Subclasses implement a step in three parts, `prepare` (what the step fixes
+  before reading private data), `clipped_sums` (sums over the batch of
+  per-example terms: the only part that reads private data) and `release`
+  (noise on the global sums), which `update` composes; and `dp_event`. Split
+  so, a step runs unchanged over a logical batch summed from several
+  physical ones (virtual batches). A subclass may override `update` instead
+  (no virtual batches then). They keep their hyperparameters in `config`
+  (JSON-able; `from_config(config)` rebuilds an equal privatizer) and never
+  hold Python state that changes during training: everything that changes
+  lives in the `state` nest that `init` creates and `update` returns.
 
   Attributes:
     name: registry key used by `serialize` / `deserialize`.
@@ -51,7 +58,6 @@ class Privatizer(abc.ABC):
     del params
     return {}
 
-  @abc.abstractmethod
   def update(
       self,
       per_example_grads: PerExampleGradientsLike,
@@ -60,7 +66,7 @@ class Privatizer(abc.ABC):
       *,
       public_grads: Optional[PerExampleGradientsLike] = None,
   ) -> Tuple[List[tf.Tensor], State]:
-    """Privatizes one batch.
+    """Privatizes one batch: `prepare`, `clipped_sums`, all-reduce, `release`.
 
     A privatizer asks `per_example_grads` only for the statistics it needs
     (`sq_norms`, `dots`, `masked`, ...) and the weighted sums it releases
@@ -82,6 +88,50 @@ class Privatizer(abc.ABC):
       `(noisy_sum, new_state)`: the privatized sum over the batch, one tensor
       per variable, and the next state. Equal inputs give bitwise-equal outputs.
     """
+    grads = gradients.as_per_example_gradients(per_example_grads)
+    if public_grads is not None:
+      public_grads = gradients.as_per_example_gradients(public_grads)
+    plan = self.prepare(state, seed, grads, public_grads)
+    sums = self.clipped_sums(grads, state, plan)
+    return self.release(global_sums(sums), state, plan, seed)
+
+  def prepare(self, state: State, seed: tf.Tensor,
+              per_example_grads: gradients.PerExampleGradients,
+              public_grads: Optional[gradients.PerExampleGradients]) -> Any:
+    """What a step fixes before it reads private data (its *plan*).
+
+    Masks, projection keys, a public subspace: anything `clipped_sums` and
+    `release` share within one step. It must not depend on the private
+    gradients' values; `per_example_grads` is given for its layout and forms
+    only (which statistics its engine answers cheaply). Default: None.
+    """
+    del state, seed, per_example_grads, public_grads
+    return None
+
+  def clipped_sums(self, per_example_grads: gradients.PerExampleGradients,
+                   state: State, plan: Any) -> Any:
+    """This replica's clipped sums over the rows of `per_example_grads`.
+
+    A nest of tensors, each a sum over the rows of a function of one row (and
+    of `state` and `plan`), so that the sums of the physical batches of a
+    logical batch add up to the sums of the logical batch: the one place a
+    step reads private data. Virtual batches (`physical_batch_size`) call it
+    once per physical batch and add the results.
+    """
+    raise NotImplementedError(
+        f'{type(self).__name__} implements update() only; virtual batches '
+        'need clipped_sums() and release()')
+
+  def release(self, sums: Any, state: State, plan: Any,
+              seed: tf.Tensor) -> Tuple[List[tf.Tensor], State]:
+    """Noise on the global clipped `sums`: `(noisy_sum, new_state)`.
+
+    `sums` is `clipped_sums`' nest summed over the whole (logical, global)
+    batch. Everything here is noise and post-processing.
+    """
+    raise NotImplementedError(
+        f'{type(self).__name__} implements update() only; virtual batches '
+        'need clipped_sums() and release()')
 
   @abc.abstractmethod
   def dp_event(self, step: int) -> dp_accounting.DpEvent:
@@ -115,6 +165,12 @@ class Privatizer(abc.ABC):
   def __repr__(self):
     args = ', '.join(f'{k}={v!r}' for k, v in self.config.items())
     return f'{self.name}({args})'
+
+
+def global_sums(sums: Any) -> Any:
+  """A nest of this replica's sums, all-reduced under `tf.distribute`."""
+  return tf.nest.pack_sequence_as(
+      sums, noise.replica_sum(tf.nest.flatten(sums)))
 
 
 def serialize(privatizer: Privatizer) -> Dict[str, Any]:

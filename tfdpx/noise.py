@@ -5,8 +5,9 @@ named stream (one draw per release, split over the variables), so a
 privatizer stays a pure function and two releases of one step never share a
 draw.
 
-Under a `tf.distribute` strategy every replica sums its own examples, the sums
-are all-reduced (`batch_sum`), and every replica then draws the same noise from
+Under a `tf.distribute` strategy every replica sums its own examples
+(`batch_sum`), the sums are all-reduced (`replica_sum`, once a step in
+`Privatizer.update`), and every replica then draws the same noise from
 the same seed: the noise of a step is added once to the global sum, never once
 per replica.
 """
@@ -144,10 +145,11 @@ def replica_sum(sums: Sequence[tf.Tensor]) -> List[tf.Tensor]:
 
 
 def batch_sum(records, weights: Optional[tf.Tensor] = None) -> List[tf.Tensor]:
-  """Sum over the batch of each record, and over replicas when distributed.
+  """Sum over this replica's batch of each record, optionally weighted.
 
-  Every privatizer sums its (clipped) per-example records with this function,
-  so that under `tf.distribute` the sum covers the global batch.
+  Every privatizer's `clipped_sums` sums its (clipped) per-example records
+  with this function; `Privatizer.update` all-reduces the sums of a step
+  (`replica_sum`) before `release`.
 
   Args:
     records: a `tfdpx.gradients.PerExampleGradients` (its `weighted_sum`: a
@@ -158,12 +160,12 @@ def batch_sum(records, weights: Optional[tf.Tensor] = None) -> List[tf.Tensor]:
       materialized.
 
   Returns:
-    One `[...]` tensor per variable, identical on every replica.
+    One `[...]` tensor per variable.
   """
   records = gradients.as_per_example_gradients(records)
   if weights is None:
     weights = tf.ones([records.batch_size()], tf.float32)
-  return replica_sum(records.weighted_sum(weights))
+  return records.weighted_sum(weights)
 
 
 def add_gaussian(sums: Sequence[tf.Tensor], l2_norm_clip, noise_multiplier,

@@ -10,6 +10,8 @@ import tensorflow as tf
 import tfdpx
 from tests import stats
 from tests.privatizers.cases import CASES
+from tfdpx import gradients
+from tfdpx import virtual_batches
 
 SHAPES = [(6, 5), (5,), (3, 3, 2, 4)]
 BATCH = 7
@@ -29,14 +31,36 @@ def _public(case, shapes=SHAPES):
   return _grads(99, batch=16, shapes=shapes) if case.needs_public else None
 
 
-def _run(case, privatizer, grads, steps, shapes=SHAPES, seed=(3, 0)):
+def _update(privatizer, grads, state, key, public, physical_batch_size=None):
+  """`privatizer.update`, or with `physical_batch_size` the same step over
+  physical batches of that many rows (virtual batches; the last one padded
+  with zero rows)."""
+  if physical_batch_size is None:
+    return privatizer.update(grads, state, key, public_grads=public)
+  chunks, num_chunks = virtual_batches.split(grads, physical_batch_size)
+
+  def chunk(i):
+    return gradients.MaterializedGradients([g[i] for g in chunks]), tuple
+  out, state, _ = virtual_batches.update(privatizer, state, key, num_chunks,
+                                         chunk, public)
+  return out, state
+
+
+# Virtual batches (`physical_batch_size`) must release what one whole batch
+# releases: the checks of noise and sensitivity run both ways.
+PHYSICAL_BATCH_SIZES = [None, 3]
+
+
+def _run(case, privatizer, grads, steps, shapes=SHAPES, seed=(3, 0),
+         physical_batch_size=None):
   """Runs `update` through steps 0..max(steps); returns {step: (out, state)}."""
   public = _public(case, shapes)
   state = privatizer.init(_variables(shapes))
   outputs = {}
   for step in range(max(steps) + 1):
     key = tf.constant([seed[0], seed[1] + step], tf.int64)
-    out, state = privatizer.update(grads, state, key, public_grads=public)
+    out, state = _update(privatizer, grads, state, key, public,
+                         physical_batch_size)
     if step in steps:
       outputs[step] = ([o.numpy() for o in out], state)
   return outputs
@@ -106,7 +130,9 @@ def test_zero_noise_infinite_clip_gives_the_noiseless_result(case):
                                  err_msg=f'step {step}')
 
 
-def test_removing_one_example_moves_the_sum_by_at_most_the_sensitivity(case):
+@pytest.mark.parametrize('physical_batch_size', PHYSICAL_BATCH_SIZES)
+def test_removing_one_example_moves_the_sum_by_at_most_the_sensitivity(
+    case, physical_batch_size):
   """Each step is compared from the same incoming state.
 
   A step's sensitivity is conditional on the released history: a privatizer
@@ -121,24 +147,32 @@ def test_removing_one_example_moves_the_sum_by_at_most_the_sensitivity(case):
   state = privatizer.init(_variables())
   for step in range(max(case.steps) + 1):
     key = tf.constant([3, step], tf.int64)
-    full, next_state = privatizer.update(grads, state, key, public_grads=public)
+    full, next_state = _update(privatizer, grads, state, key, public,
+                               physical_batch_size)
     if step in case.steps:
       for i in range(BATCH):
         fewer = [tf.concat([g[:i], g[i + 1:]], axis=0) for g in grads]
-        out, _ = privatizer.update(fewer, state, key, public_grads=public)
+        out, _ = _update(privatizer, fewer, state, key, public,
+                         physical_batch_size)
         diff = math.sqrt(sum(np.sum(np.square(a.numpy() - b.numpy()))
                              for a, b in zip(out, full)))
         assert diff <= bound, (step, i, diff, bound)
     state = next_state
 
 
-def test_noise_std_is_what_the_event_claims(case):
-  """Two-sided: measured std equals the claim, and 3% more or less fails."""
+@pytest.mark.parametrize('physical_batch_size', PHYSICAL_BATCH_SIZES)
+def test_noise_std_is_what_the_event_claims(case, physical_batch_size):
+  """Two-sided: measured std equals the claim, and 3% more or less fails.
+
+  Through virtual batches the noise is drawn once per logical batch: once
+  per physical batch would show as a larger std.
+  """
   noise_multiplier, l2_norm_clip = 1.3, 0.8
   privatizer = case.make(noise_multiplier, l2_norm_clip)
   shapes = [(300, 300), (100,)]
   zeros = [tf.zeros((4,) + s) for s in shapes]
-  outputs = _run(case, privatizer, zeros, case.steps, shapes=shapes)
+  outputs = _run(case, privatizer, zeros, case.steps, shapes=shapes,
+                 physical_batch_size=physical_batch_size)
   checked = 0
   for step, (out, _) in outputs.items():
     expected = case.noise_std(privatizer, step, l2_norm_clip)
@@ -154,6 +188,25 @@ def test_noise_std_is_what_the_event_claims(case):
     pytest.skip(f'{case.name}: the output noise is not per-coordinate '
                 'Gaussian; its own tests check it against dp_event')
   assert checked, 'no step of this case has a noise check'
+
+
+def test_virtual_batches_release_what_the_whole_batch_releases(case):
+  """Same noise key: equal outputs and states up to float summation order,
+  at every checked step (DPDR's later steps follow its released history)."""
+  privatizer = case.make(1.0, 0.5)
+  grads = _grads(4)
+  whole = _run(case, privatizer, grads, case.steps)
+  for physical_batch_size in (1, 3, BATCH):
+    parts = _run(case, privatizer, grads, case.steps,
+                 physical_batch_size=physical_batch_size)
+    for step in case.steps:
+      for a, b in zip(whole[step][0], parts[step][0]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6,
+                                   err_msg=f'step {step}')
+      for a, b in zip(tf.nest.flatten(whole[step][1]),
+                      tf.nest.flatten(parts[step][1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                                   atol=1e-6, err_msg=f'step {step}')
 
 
 def test_accountant_accepts_the_events(case):

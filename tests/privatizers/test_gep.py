@@ -343,6 +343,22 @@ def test_zero_anchor_group_is_residual_only():
     np.testing.assert_allclose(a.numpy(), b, rtol=1e-4, atol=1e-4)
 
 
+def test_a_group_allocated_no_basis_vector_is_residual_only():
+  """floor(k sqrt(p_j) / sum sqrt(p_l)) is 0 for a small group: a [p_j, 0]
+  basis, no embedding, the whole group in the residual (it once failed on
+  the unknown shape of zero weighted sums)."""
+  privatizer = privatizers.gep(4, INF, INF, 0.0, groups=[[0], [1], [2]])
+  assert allocate_bases([600, 30, 370], 4) == [1, 0, 1]
+  public = _grads(19, M)
+  assert [b.shape[1] for b in privatizer.bases(public, KEY)] == [1, 0, 1]
+  grads = _grads(20, N)
+  compiled = tf.function(lambda g, p: privatizer.update(g, {}, KEY,
+                                                        public_grads=p))
+  out, _ = compiled(grads, public)
+  for a, b in zip(out, _sum(grads)):
+    np.testing.assert_allclose(a.numpy(), b, rtol=1e-4, atol=1e-4)
+
+
 def test_basis_is_clamped_to_the_number_of_anchors():
   privatizer = privatizers.gep(600, 1.0, 1.0, 1.0, num_groups=3)
   with pytest.warns(UserWarning, match='clamped'):

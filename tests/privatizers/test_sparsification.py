@@ -11,7 +11,6 @@ import tensorflow as tf
 import tfdpx
 from tests import stats
 from tfdpx import core
-from tfdpx import gradients
 from tfdpx import privatizers
 from tests.compile_path import trainable
 
@@ -22,9 +21,11 @@ D = 30 + 5 + 24
 class _Echo(core.Privatizer):
   """Test double: returns the (masked) per-example gradients it receives."""
 
-  def update(self, per_example_grads, state, seed, *, public_grads=None):
-    grads = gradients.as_per_example_gradients(per_example_grads)
-    return grads.materialized(), state
+  def clipped_sums(self, per_example_grads, state, plan):
+    return per_example_grads.materialized()
+
+  def release(self, sums, state, plan, seed):
+    return sums, state
 
   def dp_event(self, step):
     return dp_accounting.NoOpDpEvent()
@@ -291,8 +292,14 @@ def test_wraps_public_gradients_with_the_same_mask():
   class _PublicEcho(_Echo):
     requires_public_grads = True
 
-    def update(self, per_example_grads, state, seed, *, public_grads=None):
-      return public_grads.materialized(), state
+    def prepare(self, state, seed, per_example_grads, public_grads):
+      return public_grads.materialized()
+
+    def clipped_sums(self, per_example_grads, state, plan):
+      return []
+
+    def release(self, sums, state, plan, seed):
+      return plan, state
 
   wrapper = privatizers.sparsified(_PublicEcho(), 0.5, 2, 1)
   assert wrapper.requires_public_grads

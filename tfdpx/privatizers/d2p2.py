@@ -40,7 +40,6 @@ import tensorflow as tf
 
 from tfdpx import clipping
 from tfdpx import core
-from tfdpx import gradients
 from tfdpx import noise
 from tfdpx import projections
 from tfdpx import schedules
@@ -324,16 +323,18 @@ class D2P2(core.Privatizer):
     self._check_shapes([tuple(v.shape) for v in params])
     return {'step': tf.constant(0, tf.int64)}
 
-  def update(self, per_example_grads, state, seed, *, public_grads=None):
-    del public_grads  # Unused: D2P2 needs no public data.
+  def clipped_sums(self, per_example_grads, state, plan):
+    del state, plan  # The normalization is the same at every step.
+    # Automatic clipping as the weights of one sum: the normalized gradients
+    # are never formed.
+    return noise.batch_sum(per_example_grads, clipping.normalize_factors(
+        per_example_grads, self._gamma))
+
+  def release(self, sums, state, plan, seed):
+    del plan
     step = state['step']
-    grads = gradients.as_per_example_gradients(per_example_grads)
-    shapes = [tuple(s) for s in grads.shapes]
+    shapes = [tuple(s.shape) for s in sums]
     z = self._schedule.tf_value(step)
-    # Automatic clipping as the weights of one sum (all-reduced under
-    # tf.distribute): the normalized gradients are never formed.
-    sums = noise.batch_sum(grads, clipping.normalize_factors(grads,
-                                                             self._gamma))
     noise_seed = noise.substream(seed, 'd2p2/noise')
     # Each projected variable's key, derived once per step.
     step_key = self.step_key(step)

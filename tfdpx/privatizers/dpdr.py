@@ -293,11 +293,14 @@ class DPDR(core.Privatizer):
         'blocks': tf.constant(_block_ids(params, self._granularity), tf.int32),
     }
 
-  def update(self, per_example_grads, state, seed, *, public_grads=None):
-    del public_grads  # Unused: DPDR needs no public data.
+  def _decomposing(self, step: tf.Tensor) -> tf.Tensor:
+    return tf.logical_and(step >= 1, step < self._decomposition_steps)
+
+  def clipped_sums(self, per_example_grads, state, plan):
+    del plan  # The base is the state's.
     grads = gradients.as_per_example_gradients(per_example_grads)
-    base, blocks, step = state['base'], state['blocks'], state['step']
-    decomposing = tf.logical_and(step >= 1, step < self._decomposition_steps)
+    base, blocks = state['base'], state['blocks']
+    decomposing = self._decomposing(state['step'])
     # Statistics only: |g_v|^2 and <g_v, b_v> per variable. The orthogonal
     # parts are never formed: |g_perp|^2 = sum_v |g_v|^2 - 2 a_l(v) <g_v, b_v>
     # + a_l(v)^2 |b_v|^2, and the clipped sum of g_perp is the weighted sum of
@@ -329,14 +332,22 @@ class DPDR(core.Privatizer):
                                          self.alpha_l2_norm_clip)
     weighted, = noise.batch_sum([alpha], factors)  # sum_i f_i a_i, [slots]
     alpha_sum, = noise.batch_sum([alpha], alpha_factors)
-    grad_sum = noise.batch_sum(grads, factors)
+    return {'weighted': weighted, 'alpha': alpha_sum,
+            'grads': noise.batch_sum(grads, factors)}
+
+  def release(self, sums, state, plan, seed):
+    del plan
+    base, blocks, step = state['base'], state['blocks'], state['step']
+    decomposing = self._decomposing(step)
+    weighted, alpha_sum, grad_sum = sums['weighted'], sums['alpha'], sums[
+        'grads']
     weighted_of_variable = tf.gather(
         tf.where(decomposing, weighted, tf.zeros_like(weighted)), blocks)
     perp_sum = [g - tf.cast(weighted_of_variable[i], g.dtype) * b
                 for i, (g, b) in enumerate(zip(grad_sum, base))]
     # DP-SGD steps: the computation and draws of `gaussian(l2_norm_clip,
     # noise_multiplier)` (spec §8 U7).
-    sums = noise.add_gaussian(
+    noisy = noise.add_gaussian(
         perp_sum,
         tf.where(decomposing, tf.constant(self.perp_l2_norm_clip, tf.float64),
                  tf.constant(self._l2_norm_clip, tf.float64)),
@@ -349,8 +360,8 @@ class DPDR(core.Privatizer):
     alpha_sum, = noise.add_gaussian([alpha_sum], self.alpha_l2_norm_clip,
                                     self.alpha_noise_multiplier,
                                     noise.substream(seed, 'alpha'))
-    rebuilt = reconstruct(alpha_sum, sums, base, blocks)
-    noisy_sum = [tf.where(decomposing, r, s) for r, s in zip(rebuilt, sums)]
+    rebuilt = reconstruct(alpha_sum, noisy, base, blocks)
+    noisy_sum = [tf.where(decomposing, r, s) for r, s in zip(rebuilt, noisy)]
     new_state = {
         'step': step + 1,
         'base': self._normalized(noisy_sum, blocks),

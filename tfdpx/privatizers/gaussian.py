@@ -41,11 +41,14 @@ class Gaussian(core.Privatizer):
     return {'l2_norm_clip': self._l2_norm_clip,
             'noise_multiplier': self._noise_multiplier}
 
-  def update(self, per_example_grads, state, seed, *, public_grads=None):
-    del public_grads  # Unused: DP-SGD needs no public data.
+  def clipped_sums(self, per_example_grads, state, plan):
+    del state, plan  # DP-SGD has no state and fixes nothing in advance.
     # Norms, then one weighted sum: the clipped gradients are never formed.
     factors, _ = clipping.clip_factors(per_example_grads, self._l2_norm_clip)
-    sums = noise.batch_sum(per_example_grads, factors)
+    return noise.batch_sum(per_example_grads, factors)
+
+  def release(self, sums, state, plan, seed):
+    del plan
     return noise.add_gaussian(sums, self._l2_norm_clip, self._noise_multiplier,
                               seed), state
 

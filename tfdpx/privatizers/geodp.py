@@ -244,10 +244,13 @@ class GeoDP(core.Privatizer):
                  if self._magnitude_multiplier else 0.0)
     return magnitude, self._direction_multiplier * math.sqrt(d + 2) * math.pi
 
-  def update(self, per_example_grads, state, seed, *, public_grads=None):
-    del public_grads  # Unused: GeoDP needs no public data.
+  def clipped_sums(self, per_example_grads, state, plan):
+    del state, plan  # GeoDP has no state and fixes nothing in advance.
     factors, _ = clipping.clip_factors(per_example_grads, self._l2_norm_clip)
-    sums = noise.batch_sum(per_example_grads, factors)
+    return noise.batch_sum(per_example_grads, factors)
+
+  def release(self, sums, state, plan, seed):
+    del plan
     flat = tf.concat(
         [tf.reshape(tf.cast(s, tf.float64), [-1]) for s in sums], axis=0)
     r, theta = hyperspherical.to_spherical(flat)

@@ -129,6 +129,8 @@ def _embeddings(grads: gradients.PerExampleGradients, basis: tf.Tensor,
   segment (zero elsewhere in them).
   """
   shapes = grads.shapes
+  if basis.shape[1] == 0:  # A group given no basis vector.
+    return tf.zeros([grads.batch_size(), 0])
   directions, rows = [None] * len(shapes), [None] * len(shapes)
   offset = 0
   for v, start, stop in group:
@@ -190,6 +192,13 @@ class _Subspace(NamedTuple):
   basis: Optional[tf.Tensor] = None
   coordinates: Optional[tf.Tensor] = None
   anchor_gram: Optional[tf.Tensor] = None
+
+
+class _Plan(NamedTuple):
+  """What a step fixes from public data before it reads private data."""
+  public: gradients.PerExampleGradients
+  segments: List[List[Segment]]
+  subspaces: List[_Subspace]
 
 
 def _gather(flat: Sequence[tf.Tensor], segments: Sequence[Segment]
@@ -614,6 +623,11 @@ class GEP(core.Privatizer):
           f'clamped to {ks} (spec §5.2 A6)')
     subspaces = []
     for j, (group, size, k) in enumerate(zip(segments, sizes, ks)):
+      if k == 0:
+        # Rounded down to no basis vector: the group is residual-only.
+        subspaces.append(_Subspace(basis=tf.zeros(
+            [size, 0], public.dtypes[group[0][0]])))
+        continue
       stream = noise.substream(seed, f'gep/basis/{j}')
       with _after([t for t in (subspaces[-1] if subspaces else ())
                    if t is not None]):
@@ -719,19 +733,24 @@ class GEP(core.Privatizer):
         rests.append(grads - tf.matmul(embedding, basis, transpose_b=True))
     return embeddings, (rests if residuals else None)
 
-  def update(self, per_example_grads, state, seed, *, public_grads=None):
+  def prepare(self, state, seed, per_example_grads, public_grads):
+    """The groups and each group's subspace, from public data only."""
+    del state  # GEP has no state.
     if public_grads is None:
       raise ValueError(NO_PUBLIC_DATA_HELP)
-    grads = gradients.as_per_example_gradients(per_example_grads)
-    public = gradients.as_per_example_gradients(public_grads)
-    shapes = grads.shapes
-    if public.shapes != shapes:
+    shapes = per_example_grads.shapes
+    if public_grads.shapes != shapes:
       raise ValueError(
           'public_grads must have the layout of the private per-example '
           'gradients: one [m, *var.shape] tensor per variable')
     segments = self._segments(shapes)
-    subspaces = self._subspaces(public, seed, segments,
-                                self._gram_groups(segments, grads, public))
+    return _Plan(public_grads, segments, self._subspaces(
+        public_grads, seed, segments,
+        self._gram_groups(segments, per_example_grads, public_grads)))
+
+  def clipped_sums(self, per_example_grads, state, plan):
+    grads = gradients.as_per_example_gradients(per_example_grads)
+    public, segments, subspaces = plan
     embeddings = []
     for group, sub in zip(segments, subspaces):
       with _after(embeddings[-1:] or [t for t in subspaces[-1]
@@ -745,13 +764,9 @@ class GEP(core.Privatizer):
     # One global clip per part, over all groups (spec §5.2 A3).
     embedding_factors, embedding_norms = clipping.clip_factors(embeddings,
                                                                self._s1)
-    noisy_embedding = noise.add_gaussian(
-        noise.batch_sum(embeddings, embedding_factors), self._s1,
-        self._sigma1, noise.substream(seed, 'gep/embedding'))
+    sums = {'embedding': noise.batch_sum(embeddings, embedding_factors)}
     if self._biased:
-      return _scatter([_lift(public, sub, group, w) for sub, group, w in
-                       zip(subspaces, segments, noisy_embedding)],
-                      segments, shapes), state
+      return sums
     # The residual r = g - B w (w = B^T g, the unclipped embedding, spec
     # §5.2 A4) is never formed: |r|^2 = |g|^2 - 2 |w|^2 + w^T (B^T B) w,
     # exact whether or not B's columns came out orthonormal, and the clipped
@@ -776,7 +791,22 @@ class GEP(core.Privatizer):
         clipping.clip_factor(
             clipping.part_norms(residual_sq, tf.square(scale)), self._s2),
         scale, self._s2)
-    flat_sum = _flat([s[tf.newaxis] for s in noise.batch_sum(grads, factors)])
+    sums['residual'] = noise.batch_sum(grads, factors)
+    # The clipped residuals' weighted sum of their embeddings.
+    sums['residual_embedding'] = noise.batch_sum(embeddings, factors)
+    return sums
+
+  def release(self, sums, state, plan, seed):
+    public, segments, subspaces = plan
+    shapes = public.shapes
+    noisy_embedding = noise.add_gaussian(
+        sums['embedding'], self._s1, self._sigma1,
+        noise.substream(seed, 'gep/embedding'))
+    if self._biased:
+      return _scatter([_lift(public, sub, group, w) for sub, group, w in
+                       zip(subspaces, segments, noisy_embedding)],
+                      segments, shapes), state
+    flat_sum = _flat([s[tf.newaxis] for s in sums['residual']])
     noisy_sums = noise.add_gaussian(
         [_gather(flat_sum, group)[0] for group in segments], self._s2,
         self._sigma2, noise.substream(seed, 'gep/residual'))
@@ -785,7 +815,7 @@ class GEP(core.Privatizer):
     out = [s + _lift(public, sub, group, e - w)
            for s, sub, group, e, w in zip(
                noisy_sums, subspaces, segments, noisy_embedding,
-               noise.batch_sum(embeddings, factors))]
+               sums['residual_embedding'])]
     return _scatter(out, segments, shapes), state
 
   def dp_event(self, step):

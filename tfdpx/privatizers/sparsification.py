@@ -265,28 +265,35 @@ class Sparsified(core.Privatizer):
             'window': tf.constant(-1, tf.int64),
             'masks': [tf.zeros(p.shape, tf.float32) for p in params]}
 
-  def update(self, per_example_grads, state, seed, *, public_grads=None):
-    grads = gradients.as_per_example_gradients(per_example_grads)
+  def prepare(self, state, seed, per_example_grads, public_grads):
     step = tf.convert_to_tensor(state['step'], tf.int64)
     window = self._window_tensor(step)
     masks = tf.cond(
         tf.equal(window, state['window']), lambda: list(state['masks']),
-        lambda: self.masks(window, grads.shapes))
-
-    def apply(tensors):
-      # The mask broadcasts over the leading batch axis: one mask for all.
-      return [t * tf.cast(m, t.dtype) for t, m in zip(tensors, masks)]
-
+        lambda: self.masks(window, per_example_grads.shapes))
     if public_grads is not None:
       # The inner step then works inside the kept coordinates throughout
       # (e.g. GEP's public subspace). Public data costs no privacy.
-      public_grads = gradients.as_per_example_gradients(public_grads).masked(
-          masks)
-    noisy_sum, inner_state = self._inner.update(
-        grads.masked(masks), state['inner'], seed,
-        public_grads=public_grads)
-    return apply(noisy_sum), {'inner': inner_state, 'step': step + 1,
-                              'window': window, 'masks': masks}
+      public_grads = public_grads.masked(masks)
+    return {'window': window, 'masks': masks,
+            'inner': self._inner.prepare(state['inner'], seed,
+                                         per_example_grads.masked(masks),
+                                         public_grads)}
+
+  def clipped_sums(self, per_example_grads, state, plan):
+    grads = gradients.as_per_example_gradients(per_example_grads)
+    return self._inner.clipped_sums(grads.masked(plan['masks']),
+                                    state['inner'], plan['inner'])
+
+  def release(self, sums, state, plan, seed):
+    noisy_sum, inner_state = self._inner.release(sums, state['inner'],
+                                                 plan['inner'], seed)
+    # The mask broadcasts over any leading axis: one mask for all.
+    masks = plan['masks']
+    return [t * tf.cast(m, t.dtype) for t, m in zip(noisy_sum, masks)], {
+        'inner': inner_state,
+        'step': tf.convert_to_tensor(state['step'], tf.int64) + 1,
+        'window': plan['window'], 'masks': masks}
 
   def dp_event(self, step):
     # The mask is data-independent: exactly the inner step's cost.
