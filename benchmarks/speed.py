@@ -57,6 +57,12 @@ flags.DEFINE_list('memory_models', ['cnn', 'text'],
                   'Models whose peak memory at batch 1024 is measured.')
 flags.DEFINE_bool('memory', True, 'Measure peak memory.')
 flags.DEFINE_string('out', None, 'Also write the tables to this file.')
+flags.DEFINE_string(
+    'virtual_batches', None,
+    '"model,logical,physical" (e.g. "cnn,4096,256"): instead of the tables '
+    'above, peak memory and time per example of virtual batches: each '
+    'privatizer of --privatizers at batch `physical`, at batch `logical` '
+    'whole, and at `logical` in physical batches of `physical`.')
 flags.DEFINE_string('memory_probe', None,
                     'Internal: "model,batch,config": train a few steps in '
                     'this process and print its peak resident set in MiB.')
@@ -213,7 +219,11 @@ def build(model_name, batch, config):
     privatizer = PRIVATIZERS[name]()
     public_data = (data(model_name, NUM_PUBLIC, seed=1)
                    if privatizer.requires_public_grads else None)
-    model = tfdpx.keras.make_private(make(), public_data=public_data)
+    physical = [int(o.partition('=')[2]) for o in options
+                if o.startswith('physical=')]
+    model = tfdpx.keras.make_private(
+        make(), public_data=public_data,
+        physical_batch_size=physical[0] if physical else None)
     model.compile(
         tfdpx.keras.DPSGD(privatizer=privatizer, expected_batch_size=batch,
                           learning_rate=0.1),
@@ -283,6 +293,31 @@ def _probe():
   print(kib / 1024)
 
 
+def virtual_batch_rows(model_name, logical, physical):
+  """Table rows of `--virtual_batches`: peak memory and ms per example."""
+  rows = []
+  for name in FLAGS.privatizers or PRIVATIZERS:
+    runs = [(physical, f'tfdpx {name}'), (logical, f'tfdpx {name}'),
+            (logical, f'tfdpx {name} physical={physical}')]
+    mib = [peak_rss_mib(model_name, batch, config) for batch, config in runs]
+    # Timed interleaved in this process, as `time_model`.
+    models = [build(model_name, batch, config) for batch, config in runs]
+    datasets = [batches(model_name, batch, FLAGS.steps) for batch, _ in runs]
+    for model, dataset in zip(models, datasets):
+      _fit_seconds(model, dataset)
+    best = [float('inf')] * len(runs)
+    for _ in range(FLAGS.repetitions):
+      for i, (model, dataset) in enumerate(zip(models, datasets)):
+        best[i] = min(best[i], _fit_seconds(model, dataset))
+    for (batch, config), peak, seconds in zip(runs, mib, best):
+      per_example = 1000 * seconds / (FLAGS.steps * batch)
+      rows.append(f'| {model_name} | {batch} | {config} | {peak:.0f} | '
+                  f'{peak / mib[0]:.2f} | {per_example:.3f} | '
+                  f'{per_example / (1000 * best[0] / (FLAGS.steps * physical)):.2f} |')
+    tf.keras.backend.clear_session()
+  return rows
+
+
 def main(argv):
   del argv
   tf.get_logger().setLevel('ERROR')
@@ -295,6 +330,26 @@ def main(argv):
     print(line, flush=True)
     lines.append(line)
 
+  if FLAGS.virtual_batches:
+    model_name, logical, physical = FLAGS.virtual_batches.split(',')
+    emit(f'# tfdpx virtual batches, {time.strftime("%Y-%m-%d %H:%M UTC")}, '
+         f'TensorFlow {tf.__version__}, steps {FLAGS.steps}, repetitions '
+         f'{FLAGS.repetitions}')
+    emit()
+    emit('| model | batch | configuration | peak MiB | x first row | '
+         'ms/example | x first row |')
+    emit('|---|---:|---|---:|---:|---:|---:|')
+    for row in virtual_batch_rows(model_name, int(logical), int(physical)):
+      emit(row)
+  else:
+    speed_and_memory_tables(emit)
+  if FLAGS.out:
+    with open(FLAGS.out, 'w') as out:
+      out.write('\n'.join(lines) + '\n')
+
+
+def speed_and_memory_tables(emit):
+  """The tables of `make bench`."""
   emit(f'# tfdpx speed benchmark, {time.strftime("%Y-%m-%d %H:%M UTC")}, '
        f'TensorFlow {tf.__version__}, Keras {tf.keras.version() if KERAS_3 else 2}, '
        f'steps {FLAGS.steps}, repetitions {FLAGS.repetitions}')
@@ -321,9 +376,6 @@ def main(argv):
         mib = peak_rss_mib(model_name, 1024, config)
         baseline = baseline or mib
         emit(f'| {model_name} | {config} | {mib:.0f} | {mib / baseline:.2f} |')
-  if FLAGS.out:
-    with open(FLAGS.out, 'w') as out:
-      out.write('\n'.join(lines) + '\n')
 
 
 if __name__ == '__main__':

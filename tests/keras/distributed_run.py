@@ -42,7 +42,8 @@ LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                      reduction=NONE)
 
 
-def _fit(strategy, privatizer, loss, x, y, units, lr=0.1, private=False):
+def _fit(strategy, privatizer, loss, x, y, units, lr=0.1, private=False,
+         physical_batch_size=None):
   with strategy.scope():
     tf.keras.utils.set_random_seed(0)
     model = tf.keras.Sequential(
@@ -50,7 +51,8 @@ def _fit(strategy, privatizer, loss, x, y, units, lr=0.1, private=False):
                                input_shape=(x.shape[1],)),
          tf.keras.layers.Dense(2)])
     if private:
-      model = tfdpx.keras.make_private(model)
+      model = tfdpx.keras.make_private(
+          model, physical_batch_size=physical_batch_size)
     optimizer = tfdpx.keras.DPSGD(privatizer=privatizer,
                                   expected_batch_size=GLOBAL_BATCH,
                                   learning_rate=lr, noise_seed=5)
@@ -64,13 +66,14 @@ def _fit(strategy, privatizer, loss, x, y, units, lr=0.1, private=False):
   return model, before, replicas_agree, int(optimizer.dp_steps.numpy())
 
 
-def noise(units=1000, private=False):
+def noise(units=1000, private=False, physical_batch_size=None):
   """Weight change of one step with zero per-example gradients."""
   x = np.ones((GLOBAL_BATCH, 100), 'float32')
   model, before, agree, steps = _fit(MIRRORED, gaussian(0.8, 1.3),
                                      ZeroLoss(reduction=NONE), x,
                                      np.zeros(GLOBAL_BATCH), units,
-                                     private=private)
+                                     private=private,
+                                     physical_batch_size=physical_batch_size)
   delta = np.concatenate([(w.numpy() - b).ravel()
                           for w, b in zip(model.weights, before)])
   return {'delta': delta.tolist(), 'replicas_agree': agree, 'dp_steps': steps}
@@ -81,12 +84,15 @@ def noiseless():
   x, y = _data(4 * GLOBAL_BATCH)
   privatizer = gaussian(0.1, 0.0)  # Clipping active, no noise.
   results = {}
-  for name, strategy, private in [
-      ('mirrored', MIRRORED, False),
-      ('mirrored_make_private', MIRRORED, True),
-      ('single', tf.distribute.OneDeviceStrategy('/cpu:0'), False)]:
+  for name, strategy, private, physical_batch_size in [
+      ('mirrored', MIRRORED, False, None),
+      ('mirrored_make_private', MIRRORED, True, None),
+      # Each replica's 4 examples in physical batches of 3 (one padded).
+      ('mirrored_virtual', MIRRORED, True, 3),
+      ('single', tf.distribute.OneDeviceStrategy('/cpu:0'), False, None)]:
     model, _, agree, _ = _fit(strategy, privatizer, LOSS, x, y, units=4,
-                              private=private)
+                              private=private,
+                              physical_batch_size=physical_batch_size)
     results[name] = [w.numpy().tolist() for w in model.weights]
     results[name + '_replicas_agree'] = agree
   return results
@@ -129,5 +135,7 @@ def agree():
 
 if __name__ == '__main__':
   print(json.dumps({'noise': noise(), 'noise_make_private': noise(private=True),
+                    'noise_virtual': noise(private=True,
+                                           physical_batch_size=3),
                     'noiseless': noiseless(), 'd2p2': d2p2_noiseless(),
                     'agree': agree()}))

@@ -25,7 +25,8 @@ def runs():
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize('engine', ['noise', 'noise_make_private'])
+@pytest.mark.parametrize('engine',
+                         ['noise', 'noise_make_private', 'noise_virtual'])
 def test_noise_is_added_once_per_global_step(runs, engine):
   result = runs[engine]
   delta = np.asarray(result['delta'])
@@ -43,7 +44,7 @@ def test_noise_is_added_once_per_global_step(runs, engine):
 
 def test_distributed_update_equals_single_device_update_without_noise(runs):
   result = runs['noiseless']
-  for engine in ('mirrored', 'mirrored_make_private'):
+  for engine in ('mirrored', 'mirrored_make_private', 'mirrored_virtual'):
     for a, b in zip(result[engine], result['single']):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert result[engine + '_replicas_agree']

@@ -76,7 +76,8 @@ _GRADIENT_ACCUMULATION = (
     'The test passes gradient_accumulation_steps, the large-batch emulation '
     'of the non-vectorized DPKeras*Optimizer (privatize once every k calls). '
     'tfdpx, like tensorflow-privacy\'s vectorized optimizers, has no such '
-    'argument: Keras refuses it as an unknown keyword.',
+    'argument and refuses it; its virtual batches are make_private\'s '
+    'physical_batch_size.',
     'gradient_accumulation_steps')
 
 # Case id -> (why tfdpx differs, text its failure must contain).

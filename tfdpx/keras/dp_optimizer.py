@@ -18,6 +18,7 @@ from tfdpx import accounting
 from tfdpx import core
 from tfdpx import gradients
 from tfdpx import noise
+from tfdpx import virtual_batches
 from tfdpx.privatizers.gaussian import Gaussian
 
 
@@ -112,7 +113,8 @@ class DPOptimizerMixin:
     Raises:
       ValueError: naming the argument, for a missing or inconsistent privacy
         argument, a privatizer passed by position, or `clipnorm`,
-        `clipvalue`, `global_clipnorm`.
+        `clipvalue`, `global_clipnorm`, `gradient_accumulation_steps` (see
+        `physical_batch_size` of `tfdpx.keras.make_private`).
     """
     for name in _REFUSED_KWARGS:
       if kwargs.get(name) is not None:
@@ -121,6 +123,16 @@ class DPOptimizerMixin:
             'the privatizer (its l2_norm_clip); gradient clipping after the '
             'noise would not change privacy and clipping before it must be '
             'per example.')
+    if kwargs.get('gradient_accumulation_steps') is not None:
+      # Keras 3's optimizers would average k privatized (noisy) gradients:
+      # k noise draws and k privacy events per update, not the large batch
+      # this argument means in tensorflow-privacy's non-vectorized optimizers.
+      raise ValueError(
+          'gradient_accumulation_steps is not supported by tfdpx optimizers. '
+          'For a large logical batch with the memory of a small one, use '
+          'virtual batches: tfdpx.keras.make_private(model, '
+          'physical_batch_size=...) sums the clipped gradients of each '
+          'physical batch and adds noise once per logical batch.')
     if isinstance(l2_norm_clip, (core.Privatizer, dict)):
       raise ValueError(
           'privatizer is keyword-only: pass privatizer=...; the first '
@@ -291,6 +303,14 @@ class DPOptimizerMixin:
     with tf.control_dependencies([advanced]):
       return tf.stack([secret.read_value(), tf.identity(count)])
 
+  def _check_public_grads(self, public_grads):
+    if self._privatizer.requires_public_grads and public_grads is None:
+      raise ValueError(
+          f'{self._privatizer.name} needs per-example gradients of public '
+          'data; train a model made private with public data '
+          '(tfdpx.keras.make_private(model, public_data=...), or '
+          'model.set_public_data(...) on a loaded one)')
+
   def privatize(self, per_example_grads, var_list, *, public_grads=None,
                 num_examples=None):
     """Privatized mean gradient from per-record gradients.
@@ -317,12 +337,7 @@ class DPOptimizerMixin:
     Raises:
       ValueError: if the privatizer needs public gradients and none are given.
     """
-    if self._privatizer.requires_public_grads and public_grads is None:
-      raise ValueError(
-          f'{self._privatizer.name} needs per-example gradients of public '
-          'data; train a model made private with public data '
-          '(tfdpx.keras.make_private(model, public_data=...), or '
-          'model.set_public_data(...) on a loaded one)')
+    self._check_public_grads(public_grads)
     grads = gradients.as_per_example_gradients(per_example_grads)
     if num_examples is None and self._num_microbatches is None:
       num_examples = grads.batch_size()
@@ -330,6 +345,40 @@ class DPOptimizerMixin:
         var_list, lambda state, seed: self._privatizer.update(
             grads, state, seed, public_grads=public_grads),
         num_examples)
+
+  def privatize_chunks(self, num_chunks, chunk, var_list, *, public_grads=None,
+                       num_examples=None):
+    """`privatize` of a logical batch given as physical batches (virtual batches).
+
+    Args:
+      num_chunks: the number of physical batches, an int32 scalar >= 1.
+      chunk: `chunk(i)` -> physical batch `i`'s per-example gradients and a
+        function returning its extras (`tfdpx.virtual_batches.Chunk`).
+      var_list, public_grads: as `privatize`.
+      num_examples: the number of examples of the logical batch on this
+        replica (padding rows excluded), a scalar tensor.
+
+    Returns:
+      `(gradients, extras)`: as `privatize`'s return, and each physical
+      batch's extras stacked (`[num_chunks, ...]`).
+
+    Raises:
+      ValueError: with `num_microbatches` (a microbatch would have to lie in
+        one physical batch), or as `privatize`.
+    """
+    if self._num_microbatches is not None:
+      raise ValueError('num_microbatches cannot be combined with virtual '
+                       'batches (physical_batch_size)')
+    self._check_public_grads(public_grads)
+    extras = []
+
+    def update(state, seed):
+      noisy_sum, new_state, stacked = virtual_batches.update(
+          self._privatizer, state, seed, num_chunks, chunk, public_grads)
+      extras.append(stacked)
+      return noisy_sum, new_state
+
+    return self._privatized(var_list, update, num_examples), extras[0]
 
   def _privatized(self, var_list, update, num_examples=None):
     """Runs `update(state, seed)`, keeps its new state, returns the mean.

@@ -20,6 +20,7 @@ import tensorflow as tf
 from tfdpx import gradients
 from tfdpx import noise
 from tfdpx import per_example
+from tfdpx import virtual_batches
 from tfdpx.keras import recorder
 from tfdpx.keras import validation
 from tfdpx.keras.stack import keras_version
@@ -125,7 +126,8 @@ class _PrivateTraining(keras_version.ModelHooks):
                                             **hyperparameters)
 
   def _set_engine(self, chunk_size, public_data, public_chunk_size,
-                  use_layer_rules, fast_clipping, release_training_metrics):
+                  use_layer_rules, fast_clipping, release_training_metrics,
+                  physical_batch_size):
     if int(chunk_size) != chunk_size or chunk_size < 1:
       raise ValueError(
           f'chunk_size must be a positive integer, got {chunk_size!r}')
@@ -146,6 +148,9 @@ class _PrivateTraining(keras_version.ModelHooks):
     self._dp_use_layer_rules = bool(use_layer_rules)
     self._dp_fast_clipping = bool(fast_clipping)
     self._dp_release_training_metrics = bool(release_training_metrics)
+    self._dp_physical_batch_size = (
+        None if physical_batch_size is None else
+        virtual_batches.check_physical_batch_size(physical_batch_size))
     self._dp_checked_eagerly = False
 
   @property
@@ -161,7 +166,8 @@ class _PrivateTraining(keras_version.ModelHooks):
     """
     self._set_engine(self._dp_chunk_size, public_data, public_chunk_size,
                      self._dp_use_layer_rules, self._dp_fast_clipping,
-                     self._dp_release_training_metrics)
+                     self._dp_release_training_metrics,
+                     self._dp_physical_batch_size)
     self.train_function = None  # Traced without them.
 
   def train_step(self, data):
@@ -183,12 +189,18 @@ class _PrivateTraining(keras_version.ModelHooks):
     validation.check_private_compatible(self, x if trace else None)
     self._dp_checked_eagerly = tf.executing_eagerly()
     var_list = self.trainable_variables
-    result = recorder.model_gradients(
-        self, x,
-        lambda outputs: keras_version.per_example_loss(self, y, outputs,
-                                                       sample_weight),
-        var_list, self._dp_chunk_size, self._dp_use_layer_rules)
-    grads = self._privatize(optimizer, result.grads, var_list)
+    public_grads = self._public_gradients(var_list)
+    if self._dp_physical_batch_size is None:
+      result = self._gradients(x, y, sample_weight, var_list)
+      records = self._records(result.grads)
+      grads = optimizer.privatize(
+          per_example.microbatched(records, optimizer._num_microbatches),  # pylint: disable=protected-access
+          var_list, public_grads=public_grads,
+          num_examples=records.batch_size())
+      dropped_records = result.grads.dropped_records
+    else:
+      grads, result, dropped_records = self._virtual_step(
+          optimizer, x, y, sample_weight, var_list, public_grads)
     if result.regularization_grads is not None:
       # model.losses are data-independent (model_gradients checks): their
       # gradient is added after the noise, outside the clipped sum.
@@ -201,35 +213,80 @@ class _PrivateTraining(keras_version.ModelHooks):
     logs = keras_version.training_logs(self, x, y, sample_weight, result)
     # Examples of this (global) batch whose gradient was not finite and was
     # left out: a training metric, not covered by epsilon.
-    logs['dropped_records'] = noise.replica_sum(
-        [result.grads.dropped_records()])[0]
+    logs['dropped_records'] = noise.replica_sum([dropped_records()])[0]
     return logs
 
-  def _privatize(self, optimizer, grads, var_list):
-    public_grads = None
-    if self._dp_public_data is not None:
-      x_public, y_public = self._dp_public_data
-      public_grads = recorder.public_gradients(
-          self, x_public, y_public,
-          lambda y_true, outputs: keras_version.per_example_loss(
-              self, y_true, outputs),
-          var_list, self._dp_public_chunk_size, self._dp_use_layer_rules)
-    if not self._dp_fast_clipping:
-      # Every per-example gradient formed, for comparisons.
-      grads = gradients.MaterializedGradients(grads.materialized())
-      if public_grads is not None:
-        public_grads = gradients.MaterializedGradients(
-            public_grads.materialized())
-    num_examples = grads.batch_size()
-    records = per_example.microbatched(grads, optimizer._num_microbatches)  # pylint: disable=protected-access
-    return optimizer.privatize(records, var_list, public_grads=public_grads,
-                               num_examples=num_examples)
+  def _gradients(self, x, y, sample_weight, var_list
+                ) -> per_example.GradientResult:
+    """The engine's pass over one (physical) batch."""
+    return recorder.model_gradients(
+        self, x,
+        lambda outputs: keras_version.per_example_loss(self, y, outputs,
+                                                       sample_weight),
+        var_list, self._dp_chunk_size, self._dp_use_layer_rules)
+
+  def _records(self, grads):
+    """The engine's lazy value, or with `fast_clipping=False` every
+    per-example gradient formed (for comparisons)."""
+    if self._dp_fast_clipping:
+      return grads
+    return gradients.MaterializedGradients(grads.materialized())
+
+  def _public_gradients(self, var_list):
+    if self._dp_public_data is None:
+      return None
+    x_public, y_public = self._dp_public_data
+    public_grads = recorder.public_gradients(
+        self, x_public, y_public,
+        lambda y_true, outputs: keras_version.per_example_loss(
+            self, y_true, outputs),
+        var_list, self._dp_public_chunk_size, self._dp_use_layer_rules)
+    return self._records(public_grads)
+
+  def _virtual_step(self, optimizer, x, y, sample_weight, var_list,
+                    public_grads):
+    """The privatized gradient of a logical batch, physical batch by batch.
+
+    Returns:
+      `(grads, result, dropped_records)`: the optimizer's gradient, a
+      `GradientResult` of the logical batch for the logs (outputs and losses
+      of its rows, the data-independent regularization) and a function giving
+      the number of examples dropped for a non-finite gradient.
+    """
+    rows = tf.shape(tf.nest.flatten(x)[0])[0]
+    batch = (x, y, virtual_batches.sample_weights(sample_weight, rows))
+    chunks, num_chunks = virtual_batches.split(batch,
+                                               self._dp_physical_batch_size)
+    first = []  # The first physical batch's result: its regularization.
+
+    def chunk(i):
+      xi, yi, wi = tf.nest.map_structure(lambda t: t[i], chunks)
+      result = self._gradients(xi, yi, wi, var_list)
+      if not first:
+        first.append(result)
+      return self._records(result.grads), lambda: {
+          'outputs': result.outputs, 'losses': result.losses,
+          'dropped_records': result.grads.dropped_records()}
+
+    grads, extras = optimizer.privatize_chunks(
+        num_chunks, chunk, var_list, public_grads=public_grads,
+        num_examples=rows)
+
+    def rows_of(stacked):  # [k, p, ...] -> the batch's [n, ...]
+      return tf.reshape(stacked, tf.concat([[-1], tf.shape(stacked)[2:]],
+                                           0))[:rows]
+
+    result = first[0]._replace(
+        grads=None, outputs=tf.nest.map_structure(rows_of, extras['outputs']),
+        losses=rows_of(extras['losses']))
+    return grads, result, lambda: tf.reduce_sum(extras['dropped_records'])
 
   def get_config(self):
     config = {**super().get_config(), 'chunk_size': self._dp_chunk_size,
               'use_layer_rules': self._dp_use_layer_rules,
               'fast_clipping': self._dp_fast_clipping,
-              'release_training_metrics': self._dp_release_training_metrics}
+              'release_training_metrics': self._dp_release_training_metrics,
+              'physical_batch_size': self._dp_physical_batch_size}
     if self._l2_norm_clip is not None:
       config.update(l2_norm_clip=self._l2_norm_clip,
                     noise_multiplier=self._noise_multiplier,
@@ -243,7 +300,7 @@ class _PrivateTraining(keras_version.ModelHooks):
     config = dict(config)
     engine = {k: config.pop(k)
               for k in ('chunk_size', 'use_layer_rules', 'fast_clipping',
-                        'release_training_metrics')
+                        'release_training_metrics', 'physical_batch_size')
               if k in config}
     dp_arguments = {k: config.pop(k, None)
                     for k in ('l2_norm_clip', 'noise_multiplier',
@@ -254,7 +311,8 @@ class _PrivateTraining(keras_version.ModelHooks):
     model._set_engine(
         engine.get('chunk_size', DEFAULT_CHUNK_SIZE), None, None,
         engine.get('use_layer_rules', True), engine.get('fast_clipping', True),
-        engine.get('release_training_metrics', True))
+        engine.get('release_training_metrics', True),
+        engine.get('physical_batch_size'))
     model._set_dp_arguments(use_xla=use_xla, layer_registry=None,
                             **dp_arguments)
     # pylint: enable=protected-access
@@ -316,7 +374,8 @@ class DPModel(_PrivateTraining, tf.keras.Model):
                chunk_size: int = DEFAULT_CHUNK_SIZE,
                public_data=None, public_chunk_size: Optional[int] = None,
                use_layer_rules: bool = True, fast_clipping: bool = True,
-               release_training_metrics: bool = True, **kwargs):
+               release_training_metrics: bool = True,
+               physical_batch_size: Optional[int] = None, **kwargs):
     """Args:
       *args: as `tf.keras.Model`.
       l2_norm_clip: tensorflow-privacy's DP model arguments, keyword-only:
@@ -358,6 +417,13 @@ class DPModel(_PrivateTraining, tf.keras.Model):
         and `dropped_records` (how many of its examples had a non-finite
         gradient and were left out), which the reported epsilon does not
         cover.
+      physical_batch_size: virtual batches: each batch `fit` gives (the
+        logical batch: one Poisson draw, or one shuffled batch) is processed
+        this many rows at a time (the last physical batch padded with rows of
+        sample weight 0), its clipped sums added up, and released once: one
+        noise draw and one privacy event per logical batch, with the memory
+        of one physical batch. None (the default): the whole batch at once.
+        See docs/virtual_batches.md.
       **kwargs: as `tf.keras.Model`.
 
     Raises:
@@ -366,7 +432,8 @@ class DPModel(_PrivateTraining, tf.keras.Model):
     _refuse_positional_dp_arguments(type(self), args)
     super().__init__(*args, **kwargs)
     self._set_engine(chunk_size, public_data, public_chunk_size,
-                     use_layer_rules, fast_clipping, release_training_metrics)
+                     use_layer_rules, fast_clipping, release_training_metrics,
+                     physical_batch_size)
     self._set_dp_arguments(l2_norm_clip, noise_multiplier, num_microbatches,
                            expected_batch_size, use_xla, layer_registry)
 
@@ -394,14 +461,16 @@ class DPSequential(_PrivateTraining, tf.keras.Sequential):
                chunk_size: int = DEFAULT_CHUNK_SIZE, public_data=None,
                public_chunk_size: Optional[int] = None,
                use_layer_rules: bool = True, fast_clipping: bool = True,
-               release_training_metrics: bool = True, **kwargs):
+               release_training_metrics: bool = True,
+               physical_batch_size: Optional[int] = None, **kwargs):
     """Args:
       *args: as `tf.keras.Sequential` (`layers`, `name`).
       l2_norm_clip, noise_multiplier, num_microbatches, expected_batch_size,
         use_xla, layer_registry: tensorflow-privacy's DP model arguments, as
         in `DPModel`.
       chunk_size, public_data, public_chunk_size, use_layer_rules,
-        fast_clipping, release_training_metrics: as `DPModel`.
+        fast_clipping, release_training_metrics, physical_batch_size: as
+        `DPModel`.
       **kwargs: as `tf.keras.Sequential`.
 
     Raises:
@@ -410,7 +479,8 @@ class DPSequential(_PrivateTraining, tf.keras.Sequential):
     _refuse_positional_dp_arguments(type(self), args)
     super().__init__(*args, **kwargs)
     self._set_engine(chunk_size, public_data, public_chunk_size,
-                     use_layer_rules, fast_clipping, release_training_metrics)
+                     use_layer_rules, fast_clipping, release_training_metrics,
+                     physical_batch_size)
     self._set_dp_arguments(l2_norm_clip, noise_multiplier, num_microbatches,
                            expected_batch_size, use_xla, layer_registry)
 
@@ -437,7 +507,8 @@ def make_private(model: tf.keras.Model, *,
                  public_data=None, public_chunk_size: Optional[int] = None,
                  use_layer_rules: bool = True,
                  fast_clipping: bool = True,
-                 release_training_metrics: bool = True) -> tf.keras.Model:
+                 release_training_metrics: bool = True,
+                 physical_batch_size: Optional[int] = None) -> tf.keras.Model:
   """A model sharing `model`'s layers and weights, trained with fast DP steps.
 
   Compile the returned model with a tfdpx optimizer (`tfdpx.keras.DPSGD`, ...)
@@ -455,7 +526,8 @@ def make_private(model: tf.keras.Model, *,
       Sequential models get the per-layer rules; a subclassed model is one
       fallback unit.
     chunk_size, public_data, public_chunk_size, use_layer_rules,
-      fast_clipping, release_training_metrics: see `DPModel`.
+      fast_clipping, release_training_metrics, physical_batch_size: see
+      `DPModel`.
 
   Returns:
     A `DPModel` or `DPSequential`.
@@ -493,7 +565,8 @@ def make_private(model: tf.keras.Model, *,
   engine = dict(chunk_size=chunk_size, public_data=public_data,
                 public_chunk_size=public_chunk_size,
                 use_layer_rules=use_layer_rules, fast_clipping=fast_clipping,
-                release_training_metrics=release_training_metrics)
+                release_training_metrics=release_training_metrics,
+                physical_batch_size=physical_batch_size)
   if isinstance(model, tf.keras.Sequential) and not model.built:
     return DPSequential(model.layers, name=model.name + '_private', **engine)
   if functional:
