@@ -176,3 +176,24 @@ def test_gradient_accumulation_steps_is_refused_for_virtual_batches():
                      match='gradient_accumulation_steps.*physical_batch_size'):
     tfdpx.keras.DPSGD(1.0, 1.0, gradient_accumulation_steps=4,
                       learning_rate=0.1)
+
+
+def test_the_tutorial_cnn_at_a_logical_batch_of_4096_in_physical_256():
+  """Issue 21's case: one logical batch of 4096 in 16 physical batches of
+  256 updates the tutorial CNN as one real batch of 4096 (same noise key)."""
+  from examples import models  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  x = rng.uniform(size=(4096, 28, 28, 1)).astype('float32')
+  y = rng.integers(0, 10, 4096)
+  changes = []
+  for physical_batch_size in (None, 256):
+    tf.keras.utils.set_random_seed(2)
+    model = tfdpx.keras.make_private(models.tutorial_cnn((28, 28, 1)),
+                                     physical_batch_size=physical_batch_size)
+    model.compile(tfdpx.keras.DPSGD(1.0, 1.1, expected_batch_size=4096,
+                                    learning_rate=1.0, noise_seed=3), _loss())
+    before = [v.numpy() for v in model.trainable_variables]
+    model.fit(x, y, batch_size=4096, verbose=0)
+    changes.append([v.numpy() - b
+                    for v, b in zip(model.trainable_variables, before)])
+  _assert_same(*changes)
