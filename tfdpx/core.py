@@ -147,6 +147,19 @@ class Privatizer(abc.ABC):
     """Effective noise multiplier of a whole step (one meaning everywhere)."""
     return self.config['noise_multiplier']
 
+  @property
+  def reference_l2_norm_clip(self) -> Optional[float]:
+    """The norm adaptive clipping compares each example's gradient norm
+    with (`tfdpx.privatizers.adaptive_clipping`); None if the privatizer has
+    no clip norm that scales (default)."""
+    return None
+
+  def logs(self, state: State) -> Dict[str, tf.Tensor]:
+    """Values computed from released data only (e.g. an adapted clip norm),
+    for training logs: default none."""
+    del state
+    return {}
+
   @classmethod
   def from_config(cls, config: Dict[str, Any]) -> 'Privatizer':
     return cls(**config)

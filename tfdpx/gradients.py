@@ -306,6 +306,59 @@ class MaskedGradients(PerExampleGradients):
             for g, m in zip(self._grads.materialized(), self._masks)]
 
 
+class ScaledGradients(PerExampleGradients):
+  """`c * g_iv` for one scalar `c` that does not depend on the data.
+
+  Answered from `g`'s own statistics (norms times `c^2`, dots and sums times
+  `c`): nothing is formed that `g` would not form. Adaptive clipping hands a
+  privatizer its gradients scaled so that its fixed clip norms act as the
+  adapted ones.
+  """
+
+  def __init__(self, grads: PerExampleGradients, scale: tf.Tensor):
+    self._grads = grads
+    self._scale = tf.cast(scale, tf.float32)
+
+  @property
+  def shapes(self):
+    return self._grads.shapes
+
+  @property
+  def dtypes(self):
+    return self._grads.dtypes
+
+  def batch_size(self):
+    return self._grads.batch_size()
+
+  def sq_norms(self):
+    return [n * tf.square(self._scale) for n in self._grads.sq_norms()]
+
+  def dots(self, directions, rows=None):
+    return [None if d is None else d * self._scale
+            for d in self._grads.dots(directions, rows)]
+
+  def masked_sq_norms(self, masks):
+    return [n * tf.square(self._scale)
+            for n in self._grads.masked_sq_norms(masks)]
+
+  def weighted_sum(self, weights):
+    return self._grads.weighted_sum(weights * self._scale)
+
+  def weighted_sums(self, weights, rows=None):
+    return self._grads.weighted_sums(weights * self._scale, rows)
+
+  def cross_gram_forms(self, other):
+    return self._grads.cross_gram_forms(other)
+
+  def cross_grams(self, other, spans, dtype=tf.float32):
+    return [None if g is None else g * tf.cast(self._scale, g.dtype)
+            for g in self._grads.cross_grams(other, spans, dtype)]
+
+  def materialized(self):
+    return [g * tf.cast(self._scale, g.dtype)
+            for g in self._grads.materialized()]
+
+
 def as_per_example_gradients(
     grads: Union[PerExampleGradients, Sequence[tf.Tensor]]
 ) -> PerExampleGradients:

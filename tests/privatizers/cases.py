@@ -147,3 +147,31 @@ CASES += D2P2_CASES
 
 # Keep last: every case above is also run wrapped in random sparsification.
 CASES += [sparsified_case(c) for c in list(CASES)]
+
+
+def adaptive_case(case: Case) -> Case:
+  """`case` inside adaptive clipping whose clip norm stays put.
+
+  Learning rate 0 keeps the scale at 1, so the inner case's noise,
+  sensitivity and noiseless result hold unchanged (the count's noise, 1e6,
+  moves the effective noise multiplier by 1e-12 relative): the suite checks
+  the plumbing (scaled gradients, the count as a clipped sum, the state).
+  The adaptation itself: tests/privatizers/test_adaptive.py.
+  """
+  def make(noise_multiplier, l2_norm_clip):
+    return privatizers.adaptive_clipping(
+        case.make(noise_multiplier, l2_norm_clip), expected_batch_size=4,
+        learning_rate=0.0, count_noise_multiplier=1e6)
+
+  def noise_std(privatizer, step, l2_norm_clip):
+    return case.noise_std(privatizer.inner, step, l2_norm_clip)
+
+  return Case(f'adaptive({case.name})', make, steps=case.steps,
+              noiseless_expected=case.noiseless_expected,
+              sensitivity=case.sensitivity, noise_std=noise_std,
+              needs_public=case.needs_public)
+
+
+_ADAPTIVE = [adaptive_case(c) for c in CASES
+             if c.name in ('gaussian', 'dpdr', 'gep', 'geodp_sound')]
+CASES += _ADAPTIVE + [sparsified_case(_ADAPTIVE[0])]

@@ -272,6 +272,15 @@ class DPOptimizerMixin:
       event = accounting.scale_sensitivity(event, 2.0)
     return event
 
+  def privatizer_logs(self):
+    """The privatizer's `logs` of its current state (e.g. the adapted clip
+    norm): computed from released data only. Empty before the first step."""
+    if self._dp_state_vars is None:
+      return {}
+    return self._privatizer.logs(tf.nest.pack_sequence_as(
+        self._dp_state_structure,
+        [tf.convert_to_tensor(v) for v in self._dp_state_vars]))
+
   def _next_noise_key(self) -> tf.Tensor:
     """The key of this step's noise, `[secret, release counter]`; advances it.
 

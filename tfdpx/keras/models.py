@@ -207,10 +207,13 @@ class _PrivateTraining(keras_version.ModelHooks):
       grads = [g + r for g, r in zip(grads, result.regularization_grads)]
     optimizer.apply_gradients(zip(grads, var_list))
     if not self._dp_release_training_metrics:
-      # Nothing computed from the private batch.
-      return keras_version.logs_without_training_metrics(self, y,
-                                                         result.outputs)
-    logs = keras_version.training_logs(self, x, y, sample_weight, result)
+      # Nothing computed from the private batch but what the privatizer
+      # released (an adapted clip norm).
+      return {**keras_version.logs_without_training_metrics(self, y,
+                                                            result.outputs),
+              **optimizer.privatizer_logs()}
+    logs = {**keras_version.training_logs(self, x, y, sample_weight, result),
+            **optimizer.privatizer_logs()}
     # Examples of this (global) batch whose gradient was not finite and was
     # left out: a training metric, not covered by epsilon.
     logs['dropped_records'] = noise.replica_sum([dropped_records()])[0]

@@ -1,5 +1,7 @@
 """The noise steps ("privatizers") of tfdpx."""
 
+from tfdpx.privatizers.adaptive import AdaptiveClipping
+from tfdpx.privatizers.adaptive import adaptive_clipping
 from tfdpx.privatizers.d2p2 import D2P2
 from tfdpx.privatizers.d2p2 import d2p2
 from tfdpx.privatizers.dpdr import DPDR

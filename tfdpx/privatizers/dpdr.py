@@ -293,6 +293,11 @@ class DPDR(core.Privatizer):
         'blocks': tf.constant(_block_ids(params, self._granularity), tf.int32),
     }
 
+  @property
+  def reference_l2_norm_clip(self):
+    # Its other norms (perp, alpha) scale with it under adaptive clipping.
+    return self._l2_norm_clip
+
   def _decomposing(self, step: tf.Tensor) -> tf.Tensor:
     return tf.logical_and(step >= 1, step < self._decomposition_steps)
 

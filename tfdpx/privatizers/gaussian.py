@@ -41,6 +41,10 @@ class Gaussian(core.Privatizer):
     return {'l2_norm_clip': self._l2_norm_clip,
             'noise_multiplier': self._noise_multiplier}
 
+  @property
+  def reference_l2_norm_clip(self):
+    return self._l2_norm_clip
+
   def clipped_sums(self, per_example_grads, state, plan):
     del state, plan  # DP-SGD has no state and fixes nothing in advance.
     # Norms, then one weighted sum: the clipped gradients are never formed.

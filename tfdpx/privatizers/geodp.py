@@ -244,6 +244,10 @@ class GeoDP(core.Privatizer):
                  if self._magnitude_multiplier else 0.0)
     return magnitude, self._direction_multiplier * math.sqrt(d + 2) * math.pi
 
+  @property
+  def reference_l2_norm_clip(self):
+    return self._l2_norm_clip
+
   def clipped_sums(self, per_example_grads, state, plan):
     del state, plan  # GeoDP has no state and fixes nothing in advance.
     factors, _ = clipping.clip_factors(per_example_grads, self._l2_norm_clip)

@@ -733,6 +733,13 @@ class GEP(core.Privatizer):
         rests.append(grads - tf.matmul(embedding, basis, transpose_b=True))
     return embeddings, (rests if residuals else None)
 
+  @property
+  def reference_l2_norm_clip(self):
+    # The largest norm of a clipped record (embedding part only for B-GEP).
+    if self._biased:
+      return self._s1
+    return math.hypot(self._s1, self._s2)
+
   def prepare(self, state, seed, per_example_grads, public_grads):
     """The groups and each group's subspace, from public data only."""
     del state  # GEP has no state.

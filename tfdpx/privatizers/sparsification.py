@@ -265,6 +265,9 @@ class Sparsified(core.Privatizer):
             'window': tf.constant(-1, tf.int64),
             'masks': [tf.zeros(p.shape, tf.float32) for p in params]}
 
+  def logs(self, state):
+    return self._inner.logs(state['inner'])
+
   def prepare(self, state, seed, per_example_grads, public_grads):
     step = tf.convert_to_tensor(state['step'], tf.int64)
     window = self._window_tensor(step)
