@@ -51,6 +51,19 @@ flags.DEFINE_bool('sparsify', False,
 flags.DEFINE_float('final_sparsity', 0.9,
                    'Random sparsification: fraction of coordinates zeroed in '
                    'the last epoch (linear cooling from 0).')
+flags.DEFINE_bool('adaptive_clipping', False,
+                  'Adapt the clip norm to a quantile of the per-example '
+                  'gradient norms (Andrew et al. 2021), from --l2_norm_clip.')
+flags.DEFINE_float('target_unclipped_quantile', 0.5,
+                   'Adaptive clipping: fraction of examples left unclipped.')
+flags.DEFINE_float('clip_learning_rate', 0.2,
+                   'Adaptive clipping: learning rate of the geometric update.')
+flags.DEFINE_float('count_noise_multiplier', None,
+                   'Adaptive clipping: noise std of the unclipped count '
+                   '(sensitivity 1). Unset: --batch_size / 20.')
+flags.DEFINE_integer('physical_batch_size', None,
+                     'Virtual batches: process each (logical) batch this '
+                     'many rows at a time and release it once.')
 flags.DEFINE_integer('dpdr_decomposition_steps', 50,
                      'DPDR: steps 1..s-1 decompose; then DP-SGD.')
 flags.DEFINE_float('dpdr_alpha_share', 0.1,
@@ -171,6 +184,12 @@ def build_privatizer(noise_multiplier, steps_per_epoch):
         clip, noise_multiplier, FLAGS.geodp_mode, FLAGS.geodp_beta,
         FLAGS.geodp_direction_budget_fraction,
         expected_batch_size=FLAGS.batch_size if paper else None)
+  if FLAGS.adaptive_clipping:
+    # The flag's noise multiplier is the step's effective one, count included.
+    privatizer = tfdpx.privatizers.adaptive_clipping(
+        privatizer, FLAGS.batch_size, FLAGS.target_unclipped_quantile,
+        FLAGS.clip_learning_rate, FLAGS.count_noise_multiplier
+    ).with_noise_multiplier(noise_multiplier)
   if FLAGS.sparsify:
     privatizer = tfdpx.privatizers.sparsified(
         privatizer, FLAGS.final_sparsity, FLAGS.epochs, steps_per_epoch,
@@ -216,7 +235,8 @@ def run(argv=None):
                      'then training stops before epsilon exceeds the target)')
   seed = FLAGS.seed
   if seed is None:
-    seed = int.from_bytes(os.urandom(8), 'little')
+    # 32 bits: Keras's set_random_seed seeds NumPy's legacy generator.
+    seed = int.from_bytes(os.urandom(4), 'little')
   x_train, y_train, x_test, y_test, num_classes = datasets.load(FLAGS.dataset)
   if FLAGS.train_examples:
     x_train, y_train = (x_train[:FLAGS.train_examples],
@@ -263,10 +283,12 @@ def run(argv=None):
   if FLAGS.engine == 'make_private':
     # Accuracy is measured on held-out data only: the training batches'
     # loss and metrics are not covered by epsilon.
-    trained = tfdpx.keras.make_private(model, public_data=public_data,
-                                       release_training_metrics=False)
-  elif public_data is not None:
-    raise ValueError('public data needs --engine=make_private')
+    trained = tfdpx.keras.make_private(
+        model, public_data=public_data, release_training_metrics=False,
+        physical_batch_size=FLAGS.physical_batch_size)
+  elif public_data is not None or FLAGS.physical_batch_size:
+    raise ValueError('public data and virtual batches need '
+                     '--engine=make_private')
   else:
     trained = model
   optimizer = build_optimizer(privatizer)
