@@ -175,3 +175,26 @@ def adaptive_case(case: Case) -> Case:
 _ADAPTIVE = [adaptive_case(c) for c in CASES
              if c.name in ('gaussian', 'dpdr', 'gep', 'geodp_sound')]
 CASES += _ADAPTIVE + [sparsified_case(_ADAPTIVE[0])]
+
+
+def per_layer_case(case: Case) -> Case:
+  """`case` after per-variable clipping at `C / sqrt(3)` each (the
+  contract's three variables): the sensitivity and noise stay the inner
+  case's, and at an infinite clip norm nothing changes."""
+  def make(noise_multiplier, l2_norm_clip):
+    return privatizers.per_layer_clipping(
+        case.make(noise_multiplier, l2_norm_clip))
+
+  def noise_std(privatizer, step, l2_norm_clip):
+    return case.noise_std(privatizer.inner, step, l2_norm_clip)
+
+  return Case(f'per_layer({case.name})', make, steps=case.steps,
+              noiseless_expected=case.noiseless_expected,
+              sensitivity=case.sensitivity, noise_std=noise_std,
+              needs_public=case.needs_public)
+
+
+_PER_LAYER = [per_layer_case(c) for c in CASES
+              if c.name in ('gaussian', 'dpdr', 'gep')]
+# Adaptive clipping scales every group's norm: it wraps per-layer clipping.
+CASES += _PER_LAYER + [adaptive_case(_PER_LAYER[0])]

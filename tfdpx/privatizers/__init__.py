@@ -12,5 +12,8 @@ from tfdpx.privatizers.geodp import GeoDP
 from tfdpx.privatizers.geodp import geodp
 from tfdpx.privatizers.gep import GEP
 from tfdpx.privatizers.gep import gep
+from tfdpx.privatizers.per_layer import PerLayerClipping
+from tfdpx.privatizers.per_layer import layer_groups
+from tfdpx.privatizers.per_layer import per_layer_clipping
 from tfdpx.privatizers.sparsification import Sparsified
 from tfdpx.privatizers.sparsification import sparsified

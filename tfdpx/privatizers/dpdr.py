@@ -18,6 +18,7 @@ from tfdpx import clipping
 from tfdpx import core
 from tfdpx import gradients
 from tfdpx import noise
+from tfdpx.privatizers import per_layer
 
 GRANULARITIES = ('variable', 'layer', 'global')
 
@@ -32,13 +33,7 @@ def _block_ids(params: Sequence[tf.Variable], granularity: str) -> List[int]:
     return list(range(len(params)))
   if granularity == 'global':
     return [0] * len(params)
-  # 'layer': a TensorFlow variable of a Keras layer is named
-  # '<layer scope>/<name>:0'; a Keras 3 variable's `name` is '<name>' alone
-  # and its `path` '<layer path>/<name>'.
-  scopes = {}
-  return [scopes.setdefault(getattr(p, 'path', p.name).rpartition('/')[0],
-                            len(scopes))
-          for p in params]
+  return per_layer.layer_groups(params)
 
 
 def _flat(t: tf.Tensor) -> tf.Tensor:
