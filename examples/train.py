@@ -64,6 +64,15 @@ flags.DEFINE_float('count_noise_multiplier', None,
 flags.DEFINE_integer('physical_batch_size', None,
                      'Virtual batches: process each (logical) batch this '
                      'many rows at a time and release it once.')
+flags.DEFINE_integer('num_users', None,
+                     'User-level privacy: assign the training examples to '
+                     'this many users (example i to user i % num_users; real '
+                     'data brings its own user ids), sample users, and sum '
+                     "each user's examples into one record. --batch_size is "
+                     'then the expected number of users per batch.')
+flags.DEFINE_integer('examples_per_user', 16,
+                     'User-level privacy: the most examples one user '
+                     'contributes to a batch (a public bound).')
 flags.DEFINE_integer('dpdr_decomposition_steps', 50,
                      'DPDR: steps 1..s-1 decompose; then DP-SGD.')
 flags.DEFINE_float('dpdr_alpha_share', 0.1,
@@ -257,14 +266,25 @@ def run(argv=None):
     return _run_non_private(x_train, y_train, x_test, y_test, num_classes,
                             validation, seed)
   n = len(x_train)
-  q = FLAGS.batch_size / n
+  # The records: examples, or users (user-level privacy).
+  records = FLAGS.num_users or n
+  q = FLAGS.batch_size / records
+  if FLAGS.num_users and FLAGS.sampling != 'poisson':
+    raise ValueError('--num_users needs --sampling=poisson (users sampled)')
   if FLAGS.sampling == 'poisson':
-    steps_per_epoch = sampling.steps_per_epoch(n, FLAGS.batch_size)
+    steps_per_epoch = sampling.steps_per_epoch(records, FLAGS.batch_size)
     accounted = {'sampling': 'poisson', 'sampling_probability': q}
     # One dataset for the run: every pass over it draws fresh samples.
-    poisson = sampling.poisson_batches(
-        x_train, y_train, sampling_probability=q, steps=steps_per_epoch,
-        seed=FLAGS.insecure_noise_seed)
+    if FLAGS.num_users:
+      poisson = sampling.poisson_user_batches(
+          x_train, y_train, np.arange(n) % FLAGS.num_users,
+          sampling_probability=q, steps=steps_per_epoch,
+          examples_per_user=FLAGS.examples_per_user,
+          seed=FLAGS.insecure_noise_seed)
+    else:
+      poisson = sampling.poisson_batches(
+          x_train, y_train, sampling_probability=q, steps=steps_per_epoch,
+          seed=FLAGS.insecure_noise_seed)
   else:
     steps_per_epoch = n // FLAGS.batch_size
     accounted = {'sampling': 'shuffle', 'steps_per_epoch': steps_per_epoch}
@@ -285,10 +305,11 @@ def run(argv=None):
     # loss and metrics are not covered by epsilon.
     trained = tfdpx.keras.make_private(
         model, public_data=public_data, release_training_metrics=False,
-        physical_batch_size=FLAGS.physical_batch_size)
-  elif public_data is not None or FLAGS.physical_batch_size:
-    raise ValueError('public data and virtual batches need '
-                     '--engine=make_private')
+        physical_batch_size=FLAGS.physical_batch_size,
+        examples_per_user=FLAGS.examples_per_user if FLAGS.num_users else None)
+  elif public_data is not None or FLAGS.physical_batch_size or FLAGS.num_users:
+    raise ValueError('public data, virtual batches and user-level privacy '
+                     'need --engine=make_private')
   else:
     trained = model
   optimizer = build_optimizer(privatizer)
@@ -338,7 +359,8 @@ def run(argv=None):
   _, accuracy = trained.evaluate(x_test, y_test, verbose=0)
   statement = tfdpx.accounting.privacy_statement(
       optimizer, num_examples=n, expected_batch_size=FLAGS.batch_size,
-      delta=FLAGS.delta, sampling=FLAGS.sampling, accountant=FLAGS.accountant)
+      delta=FLAGS.delta, sampling=FLAGS.sampling, accountant=FLAGS.accountant,
+      num_users=FLAGS.num_users)
   if FLAGS.export_dir:
     tf.saved_model.save(model, FLAGS.export_dir)
   return {'epsilon': eps, 'delta': FLAGS.delta, 'sampling': FLAGS.sampling,

@@ -624,6 +624,7 @@ def privacy_statement(
     expected_batch_size: float,
     delta: float,
     accountant: str = 'rdp',
+    num_users: Optional[int] = None,
 ) -> str:
   """A human-readable privacy statement naming its assumptions.
 
@@ -644,26 +645,40 @@ def privacy_statement(
       q = expected_batch_size / n.
     delta: target delta.
     accountant: 'rdp' or 'pld' (`ACCOUNTANTS`); the statement names it.
+    num_users: for an optimizer whose records were users
+      (`records_are_users`: a model made private with `examples_per_user`),
+      the number of users, required: the statement is then user-level and
+      `expected_batch_size` is the expected number of users per batch, q =
+      expected_batch_size / num_users.
 
   Returns:
     The statement, several lines of text.
 
   Raises:
-    ValueError: for an unknown `sampling`, a bad argument, or, under Poisson
-      sampling, an optimizer with `num_microbatches` records or without a
-      public denominator.
+    ValueError: for an unknown `sampling`, a bad argument, `num_users`
+      missing for user records or given for example records, or, under
+      Poisson sampling, an optimizer with `num_microbatches` records or
+      without a public denominator.
   """
   check_accountant(accountant)
   name = ACCOUNTANT_NAMES[accountant]
-  q = expected_batch_size / num_examples
+  user_level = getattr(source, 'records_are_users', False)
+  if user_level and num_users is None:
+    raise ValueError('num_users: this optimizer\'s records were users '
+                     '(user-level); pass the number of users')
+  if not user_level and num_users is not None:
+    raise ValueError('num_users: this optimizer\'s records were examples, '
+                     'not users; its guarantee is per example')
+  records = num_users if user_level else num_examples
+  q = expected_batch_size / records
   steps = _steps_of(source, steps)
   if sampling == 'shuffle':
-    if expected_batch_size > num_examples:
+    if expected_batch_size > records:
       raise ValueError(
           f'expected_batch_size={expected_batch_size} is larger than '
-          f'num_examples={num_examples}: no full shuffled batch')
+          f'the {records} records: no full shuffled batch')
     sampling_arguments = {
-        'steps_per_epoch': int(num_examples // expected_batch_size)}
+        'steps_per_epoch': int(records // expected_batch_size)}
   else:
     sampling_arguments = {'sampling_probability': q}
   eps = epsilon_for_sampling(source, sampling=sampling, steps=steps,
@@ -673,14 +688,21 @@ def privacy_statement(
   known_seed = ''
   if getattr(source, 'noise_seed_is_known', False):
     known_seed = '  NOT PRIVATE: the noise seed is known'
-  lines = [
-      'tfdpx privacy statement',
-      f'  noise step: {privatizer!r}',
-      f'  {steps} steps, n = {num_examples}, expected batch size '
-      f'{expected_batch_size:g} (q = {q:.6g}), delta = {delta:g}',
-      '  adjacency: add or remove one training example; every intermediate '
-      'model is covered, not only the final one.',
-  ]
+  if user_level:
+    size = (f'  {steps} steps, {num_users} users ({num_examples} examples), '
+            f'expected users per batch {expected_batch_size:g} (q = {q:.6g}), '
+            f'delta = {delta:g}')
+    adjacency = ('  adjacency: user-level: add or remove one user with all '
+                 'of their examples (one record: the sum of their examples\' '
+                 'gradients, clipped as one); every intermediate model is '
+                 'covered, not only the final one.')
+  else:
+    size = (f'  {steps} steps, n = {num_examples}, expected batch size '
+            f'{expected_batch_size:g} (q = {q:.6g}), delta = {delta:g}')
+    adjacency = ('  adjacency: add or remove one training example; every '
+                 'intermediate model is covered, not only the final one.')
+  lines = ['tfdpx privacy statement', f'  noise step: {privatizer!r}', size,
+           adjacency]
   microbatches = getattr(source, 'records_are_microbatches', False)
   if microbatches:
     lines.append(
@@ -693,7 +715,8 @@ def privacy_statement(
         'given), public for fixed-size shuffled batches.')
   if sampling == 'poisson':
     lines += [
-        '  sampling: Poisson, as the accountant assumes.',
+        f'  sampling: Poisson{" over users" if user_level else ""}, as the '
+        'accountant assumes.',
         f'  epsilon ({name}, Poisson sampling): {eps:.4g}{known_seed}',
     ]
   else:

@@ -388,3 +388,28 @@ def microbatched(grads: gradients.PerExampleGradients,
     return grads
   return gradients.MaterializedGradients(
       microbatch_means(grads.materialized(), num_microbatches))
+
+
+def user_records(grads: gradients.PerExampleGradients,
+                 examples_per_user: int) -> gradients.PerExampleGradients:
+  """One record per user: the sum of each `examples_per_user` consecutive rows.
+
+  The batch layout of `tfdpx.sampling.poisson_user_batches` (a user per slot
+  of that many rows, unused rows zero). The norm of a sum is not a sum of
+  norms, so user records are materialized, as microbatch records are.
+
+  Raises:
+    ValueError: if the batch size is not a multiple of `examples_per_user`.
+  """
+  per_example = grads.materialized()
+  rows = per_example[0].shape[0]
+  if rows is not None and rows % examples_per_user:
+    raise ValueError(
+        f'a batch of {rows} rows is not a whole number of user slots of '
+        f'examples_per_user={examples_per_user} rows; build the batches with '
+        'tfdpx.sampling.poisson_user_batches and the same examples_per_user')
+  return gradients.MaterializedGradients([
+      tf.reduce_sum(tf.reshape(g, tf.concat(
+          [[-1, examples_per_user], tf.shape(g)[1:]], 0)), axis=1)
+      for g in per_example])
+

@@ -102,6 +102,100 @@ def poisson_batches(x, y, *, sampling_probability: float, steps: int,
   return dataset.apply(tf.data.experimental.assert_cardinality(steps))
 
 
+def poisson_user_batches(x, y, user_ids, *, sampling_probability: float,
+                         steps: int, examples_per_user: int,
+                         seed: Optional[int] = None,
+                         max_users: Optional[int] = None) -> tf.data.Dataset:
+  """`steps` Poisson-sampled batches of users, for user-level privacy.
+
+  Each step every user joins the batch independently with probability q,
+  with all of their examples (at most `examples_per_user`: a user with more
+  contributes a random subset of that many, drawn anew each step). The
+  batch has a fixed shape: `max_users` slots of `examples_per_user` rows
+  each, slot `j` holding rows `j * examples_per_user` to `(j + 1) *
+  examples_per_user - 1`, unused rows zeros with sample weight 0. A model made
+  private with the same `examples_per_user` sums each slot's gradients into
+  one record (`make_private(model, examples_per_user=...)`).
+
+  Args:
+    x, y: arrays of examples and labels, `[n, ...]`.
+    user_ids: `[n]` array, the user of each example (any hashable values).
+    sampling_probability: q in (0, 1], each user's probability to be in a
+      batch.
+    steps: number of batches per iteration of the dataset.
+    examples_per_user: the most examples one user contributes to a batch,
+      a public bound (not read from the data: the largest count would be a
+      statistic of it).
+    seed: as `poisson_batches`: None (the private choice) draws a secret.
+    max_users: user slots per batch; default `max_batch_size(num_users, q)`
+      (a Poisson batch of users overflows it with probability <= 1e-12).
+
+  Returns:
+    A dataset of `steps` tuples `(x, y, sample_weight)` with
+    `max_users * examples_per_user` rows.
+
+  Raises:
+    ValueError: naming the bad argument.
+
+  Privacy:
+    Adjacency is adding or removing one user with all of their examples.
+    Subsampling a user's examples is a transformation of that user's data
+    alone. As in `poisson_batches`, an overflowing batch would drop users,
+    with probability at most 1e-12 per step at the default `max_users`.
+  """
+  user_ids = np.asarray(user_ids)
+  if len(user_ids) != len(x):
+    raise ValueError(f'user_ids has {len(user_ids)} entries for {len(x)} '
+                     'examples')
+  if not 0 < sampling_probability <= 1:
+    raise ValueError(f'sampling_probability must be in (0, 1], got '
+                     f'{sampling_probability!r}')
+  if (isinstance(examples_per_user, bool) or
+      int(examples_per_user) != examples_per_user or examples_per_user < 1):
+    raise ValueError('examples_per_user must be a positive integer, got '
+                     f'{examples_per_user!r}')
+  if seed is not None and (int(seed) != seed or seed < 0):
+    raise ValueError(f'seed must be a non-negative integer or None, got '
+                     f'{seed!r}')
+  k = int(examples_per_user)
+  _, inverse = np.unique(user_ids, return_inverse=True)
+  rows_of_user = np.split(np.argsort(inverse, kind='stable'),
+                          np.cumsum(np.bincount(inverse))[:-1])
+  num_users = len(rows_of_user)
+  slots = max_users or max_batch_size(num_users, sampling_probability)
+  root = secret_entropy() if seed is None else int(seed)
+  x, y = np.asarray(x), np.asarray(y)
+  iterations = itertools.count()
+
+  def generate():
+    rng = np.random.default_rng(
+        np.random.SeedSequence(root, spawn_key=(next(iterations),)))
+    for _ in range(steps):
+      chosen = np.flatnonzero(
+          rng.random(num_users) < sampling_probability)[:slots]
+      xb = np.zeros((slots * k,) + x.shape[1:], x.dtype)
+      yb = np.zeros((slots * k,) + y.shape[1:], y.dtype)
+      weight = np.zeros(slots * k, np.float32)
+      for slot, user in enumerate(chosen):
+        rows = rows_of_user[user]
+        if len(rows) > k:
+          rows = rng.choice(rows, k, replace=False)
+        start = slot * k
+        xb[start:start + len(rows)] = x[rows]
+        yb[start:start + len(rows)] = y[rows]
+        weight[start:start + len(rows)] = 1
+      yield xb, yb, weight
+
+  signature = (
+      tf.TensorSpec((slots * k,) + x.shape[1:], tf.as_dtype(x.dtype)),
+      tf.TensorSpec((slots * k,) + y.shape[1:], tf.as_dtype(y.dtype)),
+      tf.TensorSpec((slots * k,), tf.float32),
+  )
+  dataset = tf.data.Dataset.from_generator(generate,
+                                           output_signature=signature)
+  return dataset.apply(tf.data.experimental.assert_cardinality(steps))
+
+
 def steps_per_epoch(num_examples: int, expected_batch_size: float) -> int:
   """Steps of one expected pass over the data, `ceil(n / expected batch)`."""
   return int(math.ceil(num_examples / expected_batch_size))

@@ -209,3 +209,12 @@ def test_adaptive_clipping_and_virtual_batches_from_flags():
   assert 0 < results['epsilon'] <= 8
   clips = [epoch['l2_norm_clip'] for epoch in results['history']]
   assert clips[0] > 0.01 and clips[1] > clips[0]  # Far too small: it grows.
+
+
+def test_user_level_run_samples_users_and_says_so():
+  results = train.run(TINY + ['--num_users=12', '--examples_per_user=8',
+                              '--batch_size=4', '--target_epsilon=8'])
+  assert results['steps'] == 3  # ceil(12 users / 4 expected per batch).
+  assert 0 < results['epsilon'] <= 8
+  assert 'user-level' in results['statement']
+  assert '12 users (96 examples)' in results['statement']

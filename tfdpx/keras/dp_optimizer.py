@@ -185,6 +185,7 @@ class DPOptimizerMixin:
     self._dp_steps = None
     self._examples_per_record = None
     self._first_batch_size = None
+    self._user_level = False
 
   # --- what each Keras version supplies -------------------------------------
 
@@ -264,6 +265,29 @@ class DPOptimizerMixin:
     if seen is None:
       return self._expected_batch_size != self._num_microbatches
     return seen > 1
+
+  @property
+  def records_are_users(self) -> bool:
+    """Whether the records were users (user-level privacy): set by a model
+    made private with `examples_per_user`, kept in the config."""
+    return self._user_level
+
+  def use_user_records(self):
+    """Marks the records as users (each a sum over one user's examples).
+
+    Raises:
+      ValueError: with `num_microbatches`, or without `expected_batch_size`
+        (the noisy sum must be divided by the public expected number of
+        users, not by a count of the batch).
+    """
+    if self._num_microbatches is not None:
+      raise ValueError('num_microbatches cannot be combined with user-level '
+                       'records (examples_per_user)')
+    if self._expected_batch_size is None:
+      raise ValueError(
+          'user-level records (examples_per_user) need the optimizer\'s '
+          'expected_batch_size: the expected number of users per batch')
+    self._user_level = True
 
   def dp_event(self, step: int) -> dp_accounting.DpEvent:
     """The event of step `step` as this optimizer runs it (before sampling)."""
@@ -440,6 +464,8 @@ class DPOptimizerMixin:
         'noise_seed': self._noise_seed,
         'unconnected_gradients_to_zero': self._unconnected_gradients_to_zero,
     })
+    if self._user_level:
+      config['user_level'] = True
     if self._dp_steps is not None:
       config[_SAVED_DP_STEPS] = self._read_int(self._dp_steps)
     elif self._saved_dp_steps:  # Loaded, not yet restored: keep the record.
@@ -450,8 +476,10 @@ class DPOptimizerMixin:
   def from_config(cls, config, custom_objects=None):
     config = dict(config)
     saved_dp_steps = config.pop(_SAVED_DP_STEPS, 0)
+    user_level = config.pop('user_level', False)
     optimizer = super().from_config(config, custom_objects)
     optimizer._saved_dp_steps = saved_dp_steps  # pylint: disable=protected-access
+    optimizer._user_level = user_level  # pylint: disable=protected-access
     return optimizer
 
   def _check_ledger_restored(self):

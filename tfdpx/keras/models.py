@@ -127,7 +127,7 @@ class _PrivateTraining(keras_version.ModelHooks):
 
   def _set_engine(self, chunk_size, public_data, public_chunk_size,
                   use_layer_rules, fast_clipping, release_training_metrics,
-                  physical_batch_size):
+                  physical_batch_size, examples_per_user):
     if int(chunk_size) != chunk_size or chunk_size < 1:
       raise ValueError(
           f'chunk_size must be a positive integer, got {chunk_size!r}')
@@ -151,6 +151,21 @@ class _PrivateTraining(keras_version.ModelHooks):
     self._dp_physical_batch_size = (
         None if physical_batch_size is None else
         virtual_batches.check_physical_batch_size(physical_batch_size))
+    if examples_per_user is not None:
+      if (isinstance(examples_per_user, bool) or
+          not isinstance(examples_per_user, (int, float)) or
+          int(examples_per_user) != examples_per_user or
+          examples_per_user < 1):
+        raise ValueError('examples_per_user must be a positive integer, got '
+                         f'{examples_per_user!r}')
+      examples_per_user = int(examples_per_user)
+      if (self._dp_physical_batch_size is not None and
+          self._dp_physical_batch_size % examples_per_user):
+        raise ValueError(
+            f'physical_batch_size={self._dp_physical_batch_size} must be a '
+            f'multiple of examples_per_user={examples_per_user}: a user\'s '
+            'examples must lie in one physical batch')
+    self._dp_examples_per_user = examples_per_user
     self._dp_checked_eagerly = False
 
   @property
@@ -167,7 +182,7 @@ class _PrivateTraining(keras_version.ModelHooks):
     self._set_engine(self._dp_chunk_size, public_data, public_chunk_size,
                      self._dp_use_layer_rules, self._dp_fast_clipping,
                      self._dp_release_training_metrics,
-                     self._dp_physical_batch_size)
+                     self._dp_physical_batch_size, self._dp_examples_per_user)
     self.train_function = None  # Traced without them.
 
   def train_step(self, data):
@@ -189,14 +204,14 @@ class _PrivateTraining(keras_version.ModelHooks):
     validation.check_private_compatible(self, x if trace else None)
     self._dp_checked_eagerly = tf.executing_eagerly()
     var_list = self.trainable_variables
+    if self._dp_examples_per_user is not None:
+      optimizer.use_user_records()
     public_grads = self._public_gradients(var_list)
     if self._dp_physical_batch_size is None:
       result = self._gradients(x, y, sample_weight, var_list)
-      records = self._records(result.grads)
       grads = optimizer.privatize(
-          per_example.microbatched(records, optimizer._num_microbatches),  # pylint: disable=protected-access
-          var_list, public_grads=public_grads,
-          num_examples=records.batch_size())
+          self._private_records(result.grads, optimizer), var_list,
+          public_grads=public_grads, num_examples=result.grads.batch_size())
       dropped_records = result.grads.dropped_records
     else:
       grads, result, dropped_records = self._virtual_step(
@@ -235,6 +250,14 @@ class _PrivateTraining(keras_version.ModelHooks):
       return grads
     return gradients.MaterializedGradients(grads.materialized())
 
+  def _private_records(self, grads, optimizer):
+    """What the privatizer gets: each example's gradient, each microbatch's
+    mean or each user's sum."""
+    records = self._records(grads)
+    if self._dp_examples_per_user is not None:
+      return per_example.user_records(records, self._dp_examples_per_user)
+    return per_example.microbatched(records, optimizer._num_microbatches)  # pylint: disable=protected-access
+
   def _public_gradients(self, var_list):
     if self._dp_public_data is None:
       return None
@@ -267,7 +290,7 @@ class _PrivateTraining(keras_version.ModelHooks):
       result = self._gradients(xi, yi, wi, var_list)
       if not first:
         first.append(result)
-      return self._records(result.grads), lambda: {
+      return self._private_records(result.grads, optimizer), lambda: {
           'outputs': result.outputs, 'losses': result.losses,
           'dropped_records': result.grads.dropped_records()}
 
@@ -289,7 +312,8 @@ class _PrivateTraining(keras_version.ModelHooks):
               'use_layer_rules': self._dp_use_layer_rules,
               'fast_clipping': self._dp_fast_clipping,
               'release_training_metrics': self._dp_release_training_metrics,
-              'physical_batch_size': self._dp_physical_batch_size}
+              'physical_batch_size': self._dp_physical_batch_size,
+              'examples_per_user': self._dp_examples_per_user}
     if self._l2_norm_clip is not None:
       config.update(l2_norm_clip=self._l2_norm_clip,
                     noise_multiplier=self._noise_multiplier,
@@ -303,7 +327,8 @@ class _PrivateTraining(keras_version.ModelHooks):
     config = dict(config)
     engine = {k: config.pop(k)
               for k in ('chunk_size', 'use_layer_rules', 'fast_clipping',
-                        'release_training_metrics', 'physical_batch_size')
+                        'release_training_metrics', 'physical_batch_size',
+                        'examples_per_user')
               if k in config}
     dp_arguments = {k: config.pop(k, None)
                     for k in ('l2_norm_clip', 'noise_multiplier',
@@ -315,7 +340,7 @@ class _PrivateTraining(keras_version.ModelHooks):
         engine.get('chunk_size', DEFAULT_CHUNK_SIZE), None, None,
         engine.get('use_layer_rules', True), engine.get('fast_clipping', True),
         engine.get('release_training_metrics', True),
-        engine.get('physical_batch_size'))
+        engine.get('physical_batch_size'), engine.get('examples_per_user'))
     model._set_dp_arguments(use_xla=use_xla, layer_registry=None,
                             **dp_arguments)
     # pylint: enable=protected-access
@@ -378,7 +403,8 @@ class DPModel(_PrivateTraining, tf.keras.Model):
                public_data=None, public_chunk_size: Optional[int] = None,
                use_layer_rules: bool = True, fast_clipping: bool = True,
                release_training_metrics: bool = True,
-               physical_batch_size: Optional[int] = None, **kwargs):
+               physical_batch_size: Optional[int] = None,
+               examples_per_user: Optional[int] = None, **kwargs):
     """Args:
       *args: as `tf.keras.Model`.
       l2_norm_clip: tensorflow-privacy's DP model arguments, keyword-only:
@@ -427,6 +453,13 @@ class DPModel(_PrivateTraining, tf.keras.Model):
         noise draw and one privacy event per logical batch, with the memory
         of one physical batch. None (the default): the whole batch at once.
         See docs/virtual_batches.md.
+      examples_per_user: user-level privacy: each batch is made of user
+        slots of this many consecutive rows
+        (`tfdpx.sampling.poisson_user_batches`), and each slot's gradients
+        are summed into one record, clipped and noised as one: adjacency is
+        one user with all of their examples. The optimizer needs a public
+        denominator (`expected_batch_size`: the expected number of users per
+        batch). See docs/user_level.md.
       **kwargs: as `tf.keras.Model`.
 
     Raises:
@@ -436,7 +469,7 @@ class DPModel(_PrivateTraining, tf.keras.Model):
     super().__init__(*args, **kwargs)
     self._set_engine(chunk_size, public_data, public_chunk_size,
                      use_layer_rules, fast_clipping, release_training_metrics,
-                     physical_batch_size)
+                     physical_batch_size, examples_per_user)
     self._set_dp_arguments(l2_norm_clip, noise_multiplier, num_microbatches,
                            expected_batch_size, use_xla, layer_registry)
 
@@ -465,15 +498,16 @@ class DPSequential(_PrivateTraining, tf.keras.Sequential):
                public_chunk_size: Optional[int] = None,
                use_layer_rules: bool = True, fast_clipping: bool = True,
                release_training_metrics: bool = True,
-               physical_batch_size: Optional[int] = None, **kwargs):
+               physical_batch_size: Optional[int] = None,
+               examples_per_user: Optional[int] = None, **kwargs):
     """Args:
       *args: as `tf.keras.Sequential` (`layers`, `name`).
       l2_norm_clip, noise_multiplier, num_microbatches, expected_batch_size,
         use_xla, layer_registry: tensorflow-privacy's DP model arguments, as
         in `DPModel`.
       chunk_size, public_data, public_chunk_size, use_layer_rules,
-        fast_clipping, release_training_metrics, physical_batch_size: as
-        `DPModel`.
+        fast_clipping, release_training_metrics, physical_batch_size,
+        examples_per_user: as `DPModel`.
       **kwargs: as `tf.keras.Sequential`.
 
     Raises:
@@ -483,7 +517,7 @@ class DPSequential(_PrivateTraining, tf.keras.Sequential):
     super().__init__(*args, **kwargs)
     self._set_engine(chunk_size, public_data, public_chunk_size,
                      use_layer_rules, fast_clipping, release_training_metrics,
-                     physical_batch_size)
+                     physical_batch_size, examples_per_user)
     self._set_dp_arguments(l2_norm_clip, noise_multiplier, num_microbatches,
                            expected_batch_size, use_xla, layer_registry)
 
@@ -511,7 +545,8 @@ def make_private(model: tf.keras.Model, *,
                  use_layer_rules: bool = True,
                  fast_clipping: bool = True,
                  release_training_metrics: bool = True,
-                 physical_batch_size: Optional[int] = None) -> tf.keras.Model:
+                 physical_batch_size: Optional[int] = None,
+                 examples_per_user: Optional[int] = None) -> tf.keras.Model:
   """A model sharing `model`'s layers and weights, trained with fast DP steps.
 
   Compile the returned model with a tfdpx optimizer (`tfdpx.keras.DPSGD`, ...)
@@ -529,8 +564,8 @@ def make_private(model: tf.keras.Model, *,
       Sequential models get the per-layer rules; a subclassed model is one
       fallback unit.
     chunk_size, public_data, public_chunk_size, use_layer_rules,
-      fast_clipping, release_training_metrics, physical_batch_size: see
-      `DPModel`.
+      fast_clipping, release_training_metrics, physical_batch_size,
+      examples_per_user: see `DPModel`.
 
   Returns:
     A `DPModel` or `DPSequential`.
@@ -569,7 +604,8 @@ def make_private(model: tf.keras.Model, *,
                 public_chunk_size=public_chunk_size,
                 use_layer_rules=use_layer_rules, fast_clipping=fast_clipping,
                 release_training_metrics=release_training_metrics,
-                physical_batch_size=physical_batch_size)
+                physical_batch_size=physical_batch_size,
+                examples_per_user=examples_per_user)
   if isinstance(model, tf.keras.Sequential) and not model.built:
     return DPSequential(model.layers, name=model.name + '_private', **engine)
   if functional:
