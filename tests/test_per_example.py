@@ -241,8 +241,15 @@ class _InGraph:
     return lambda *args: statistic(x, *args)
 
 
+def _slow_mixed(names):
+  """The mixed model (every layer family in one model) takes 20-30 s a
+  test: `make test-all` runs it; each family is also checked alone."""
+  return [pytest.param(n, marks=pytest.mark.slow) if n == 'mixed' else n
+          for n in names]
+
+
 @pytest.mark.parametrize('use_rules', [True, False], ids=['rules', 'fallback'])
-@pytest.mark.parametrize('name', sorted(MODELS))
+@pytest.mark.parametrize('name', _slow_mixed(sorted(MODELS)))
 def test_every_statistic_equals_a_loop_of_single_example_tapes(name,
                                                                use_rules):
   _check_against_the_loop(name, use_rules=use_rules)
@@ -428,7 +435,7 @@ CROSS_GRAM_FORMS = {
 
 
 @pytest.mark.parametrize('join_chunk', [2**15, 3], ids=['one', 'chunks'])
-@pytest.mark.parametrize('name', sorted(CROSS_GRAM_FORMS))
+@pytest.mark.parametrize('name', _slow_mixed(sorted(CROSS_GRAM_FORMS)))
 def test_cross_grams_equal_those_of_the_loop(name, join_chunk, monkeypatch):
   # An embedding joins the two batches' (example, id) pairs on their ids,
   # a chunk of joined pairs at a time (3: many chunks, one cut mid-id).
@@ -490,8 +497,9 @@ def test_a_non_finite_example_has_no_share_in_cross_grams(name):
 
 
 @pytest.mark.parametrize('use_rules', [True, False], ids=['rules', 'fallback'])
-@pytest.mark.parametrize('name', ['dense', 'dense_on_short_sequences',
-                                  'conv2d', 'layer_norm', 'mixed'])
+@pytest.mark.parametrize('name', _slow_mixed(['dense',
+                                              'dense_on_short_sequences',
+                                              'conv2d', 'layer_norm', 'mixed']))
 @pytest.mark.parametrize('cause', ['inf_input', 'nan_loss'])
 def test_a_non_finite_example_is_dropped_and_the_others_are_untouched(
     cause, name, use_rules):
