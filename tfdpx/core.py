@@ -180,6 +180,47 @@ class Privatizer(abc.ABC):
     return f'{self.name}({args})'
 
 
+class Wrapper(Privatizer):
+  """A privatizer around another (`inner`), whose state is under 'inner'.
+
+  Subclasses call `_set_inner` in their constructor and keep `inner`'s
+  `tfdpx.serialize`d form under 'inner' in their `config`.
+  """
+
+  def _set_inner(self, inner) -> None:
+    """Sets `inner` (a privatizer or its serialized form).
+
+    Raises:
+      ValueError: if `inner` is neither.
+    """
+    if isinstance(inner, dict):
+      inner = deserialize(inner)
+    if not isinstance(inner, Privatizer):
+      raise ValueError(f'inner must be a tfdpx privatizer, got {inner!r}')
+    self._inner = inner
+
+  @property
+  def inner(self) -> Privatizer:
+    return self._inner
+
+  @property
+  def requires_public_grads(self) -> bool:
+    return self._inner.requires_public_grads
+
+  @property
+  def noise_multiplier(self) -> float:
+    return self._inner.noise_multiplier
+
+  def with_noise_multiplier(self, noise_multiplier: float) -> 'Wrapper':
+    """The same wrapper around `inner.with_noise_multiplier(...)`."""
+    return type(self).from_config({
+        **self.config,
+        'inner': self._inner.with_noise_multiplier(noise_multiplier)})
+
+  def logs(self, state):
+    return self._inner.logs(state['inner'])
+
+
 def global_sums(sums: Any) -> Any:
   """A nest of this replica's sums, all-reduced under `tf.distribute`."""
   return tf.nest.pack_sequence_as(

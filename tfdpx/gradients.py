@@ -261,15 +261,12 @@ class MaterializedGradients(PerExampleGradients):
     return out
 
 
-class MaskedGradients(PerExampleGradients):
-  """`m_v * g_iv` for per-variable masks `m_v` that do not depend on the data."""
+class GradientsView(PerExampleGradients):
+  """A data-independent transformation of other per-example gradients `g`,
+  answered from `g`'s statistics: same layout and rows."""
 
-  def __init__(self, grads: PerExampleGradients, masks: Sequence[tf.Tensor]):
-    if len(masks) != len(grads.shapes):
-      raise ValueError(f'masks has {len(masks)} entries for '
-                       f'{len(grads.shapes)} variables')
+  def __init__(self, grads: PerExampleGradients):
     self._grads = grads
-    self._masks = [tf.convert_to_tensor(m) for m in masks]
 
   @property
   def shapes(self):
@@ -281,6 +278,17 @@ class MaskedGradients(PerExampleGradients):
 
   def batch_size(self):
     return self._grads.batch_size()
+
+
+class MaskedGradients(GradientsView):
+  """`m_v * g_iv` for per-variable masks `m_v` that do not depend on the data."""
+
+  def __init__(self, grads: PerExampleGradients, masks: Sequence[tf.Tensor]):
+    if len(masks) != len(grads.shapes):
+      raise ValueError(f'masks has {len(masks)} entries for '
+                       f'{len(grads.shapes)} variables')
+    super().__init__(grads)
+    self._masks = [tf.convert_to_tensor(m) for m in masks]
 
   def sq_norms(self):
     return self._grads.masked_sq_norms(self._masks)
@@ -306,7 +314,7 @@ class MaskedGradients(PerExampleGradients):
             for g, m in zip(self._grads.materialized(), self._masks)]
 
 
-class ScaledGradients(PerExampleGradients):
+class ScaledGradients(GradientsView):
   """`c * g_iv` for one scalar `c` that does not depend on the data.
 
   Answered from `g`'s own statistics (norms times `c^2`, dots and sums times
@@ -316,19 +324,8 @@ class ScaledGradients(PerExampleGradients):
   """
 
   def __init__(self, grads: PerExampleGradients, scale: tf.Tensor):
-    self._grads = grads
+    super().__init__(grads)
     self._scale = tf.cast(scale, tf.float32)
-
-  @property
-  def shapes(self):
-    return self._grads.shapes
-
-  @property
-  def dtypes(self):
-    return self._grads.dtypes
-
-  def batch_size(self):
-    return self._grads.batch_size()
 
   def sq_norms(self):
     return [n * tf.square(self._scale) for n in self._grads.sq_norms()]

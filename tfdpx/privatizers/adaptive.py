@@ -20,7 +20,7 @@ _COUNT_STREAM = 'adaptive_clipping/count'
 
 
 @core.register
-class AdaptiveClipping(core.Privatizer):
+class AdaptiveClipping(core.Wrapper):
   """Quantile-based adaptive clipping around `inner` (Andrew et al. 2021).
 
   Every clip norm of `inner` is multiplied by a common factor `s_t` (1 at
@@ -78,16 +78,12 @@ class AdaptiveClipping(core.Privatizer):
       ValueError: naming the argument, for a bad value or an `inner` without
         a clip norm to adapt.
     """
-    if isinstance(inner, dict):
-      inner = core.deserialize(inner)
-    if not isinstance(inner, core.Privatizer):
-      raise ValueError(f'inner must be a tfdpx privatizer, got {inner!r}')
-    if inner.reference_l2_norm_clip is None:
+    self._set_inner(inner)
+    if self.inner.reference_l2_norm_clip is None:
       raise ValueError(
-          f'inner: {inner.name} has no clip norm that adaptive clipping can '
-          'scale (it takes gaussian, geodp, dpdr or gep; to sparsify, wrap '
-          'adaptive_clipping in sparsified)')
-    self._inner = inner
+          f'inner: {self.inner.name} has no clip norm that adaptive clipping '
+          'can scale (it takes gaussian, geodp, dpdr or gep; to sparsify, '
+          'wrap adaptive_clipping in sparsified)')
     self._expected_batch_size = core.check_positive('expected_batch_size',
                                                     expected_batch_size)
     quantile = core.check_positive('target_unclipped_quantile',
@@ -102,14 +98,6 @@ class AdaptiveClipping(core.Privatizer):
       count_noise_multiplier = self._expected_batch_size / 20
     self._count_noise_multiplier = core.check_positive(
         'count_noise_multiplier', count_noise_multiplier)
-
-  @property
-  def inner(self) -> core.Privatizer:
-    return self._inner
-
-  @property
-  def requires_public_grads(self) -> bool:
-    return self._inner.requires_public_grads
 
   @property
   def config(self):
@@ -159,7 +147,7 @@ class AdaptiveClipping(core.Privatizer):
     return state['scale'] * self._inner.reference_l2_norm_clip
 
   def logs(self, state):
-    return {'l2_norm_clip': self.clip_norm(state)}
+    return {**super().logs(state), 'l2_norm_clip': self.clip_norm(state)}
 
   # --- the step ----------------------------------------------------------------
 

@@ -29,7 +29,7 @@ def layer_groups(variables: Sequence[tf.Variable]) -> List[int]:
           for v in variables]
 
 
-class GroupClippedGradients(gradients.PerExampleGradients):
+class GroupClippedGradients(gradients.GradientsView):
   """`f_ig * g_iv` with `f_ig = min(1, C_g / |g_ig|)` for the group g of v.
 
   Answered from `g`'s statistics: the group norms from its per-variable
@@ -39,21 +39,10 @@ class GroupClippedGradients(gradients.PerExampleGradients):
 
   def __init__(self, grads: gradients.PerExampleGradients,
                group_ids: Sequence[int], group_l2_norm_clips: Sequence[float]):
-    self._grads = grads
+    super().__init__(grads)
     self._ids = list(group_ids)
     self._clips = list(group_l2_norm_clips)
     self._factors = None
-
-  @property
-  def shapes(self):
-    return self._grads.shapes
-
-  @property
-  def dtypes(self):
-    return self._grads.dtypes
-
-  def batch_size(self):
-    return self._grads.batch_size()
 
   def factors(self) -> List[tf.Tensor]:
     """Per variable, the `[B]` clip factor of its group."""
@@ -130,7 +119,7 @@ class GroupClippedGradients(gradients.PerExampleGradients):
 
 
 @core.register
-class PerLayerClipping(core.Privatizer):
+class PerLayerClipping(core.Wrapper):
   """Per-layer (per-group) clipping before `inner` (Opacus's per-layer mode).
 
   Privacy:
@@ -163,10 +152,8 @@ class PerLayerClipping(core.Privatizer):
       ValueError: naming the argument, for bad groups or norms, or an
         `inner` without a clip norm.
     """
-    if isinstance(inner, dict):
-      inner = core.deserialize(inner)
-    if not isinstance(inner, core.Privatizer):
-      raise ValueError(f'inner must be a tfdpx privatizer, got {inner!r}')
+    self._set_inner(inner)
+    inner = self.inner
     if inner.reference_l2_norm_clip is None:
       raise ValueError(
           f'inner: {inner.name} has no clip norm for the groups to share '
@@ -194,17 +181,8 @@ class PerLayerClipping(core.Privatizer):
         raise ValueError(
             f'group_l2_norm_clips has {len(group_l2_norm_clips)} norms for '
             f'{len(set(groups))} groups')
-    self._inner = inner
     self._groups = groups
     self._clips = group_l2_norm_clips
-
-  @property
-  def inner(self) -> core.Privatizer:
-    return self._inner
-
-  @property
-  def requires_public_grads(self) -> bool:
-    return self._inner.requires_public_grads
 
   @property
   def config(self):
@@ -212,23 +190,11 @@ class PerLayerClipping(core.Privatizer):
             'group_l2_norm_clips': self._clips}
 
   @property
-  def noise_multiplier(self) -> float:
-    return self._inner.noise_multiplier
-
-  def with_noise_multiplier(self, noise_multiplier):
-    return type(self)(**{
-        **self.config,
-        'inner': self._inner.with_noise_multiplier(noise_multiplier)})
-
-  @property
   def reference_l2_norm_clip(self):
     return self._inner.reference_l2_norm_clip
 
   def dp_event(self, step):
     return self._inner.dp_event(step)
-
-  def logs(self, state):
-    return self._inner.logs(state['inner'])
 
   def group_ids(self, num_variables: int) -> List[int]:
     """The group of each of `num_variables` variables.

@@ -35,7 +35,7 @@ def _check_int(name: str, value, minimum: int) -> int:
 
 
 @core.register
-class Sparsified(core.Privatizer):
+class Sparsified(core.Wrapper):
   """DP-SGD with random sparsification around any privatizer (Zhu & Blaschko).
 
   Window `k` (one epoch by default, or `1 / refreshes_per_epoch` of one) has
@@ -106,10 +106,7 @@ class Sparsified(core.Privatizer):
     Raises:
       ValueError: naming the argument that is out of range.
     """
-    if isinstance(inner, dict):
-      inner = core.deserialize(inner)
-    if not isinstance(inner, core.Privatizer):
-      raise ValueError(f'inner must be a tfdpx privatizer, got {inner!r}')
+    self._set_inner(inner)
     try:
       final_sparsity = float(final_sparsity)
     except (TypeError, ValueError):
@@ -131,7 +128,6 @@ class Sparsified(core.Privatizer):
       warnings.warn(
           'sparsified: a single window (epochs * refreshes_per_epoch == 1) '
           'has sparsity 0, so nothing is sparsified (spec §1.4)')
-    self._inner = inner
     self._final_sparsity = final_sparsity
     self._epochs = epochs
     self._steps_per_epoch = steps_per_epoch
@@ -142,14 +138,6 @@ class Sparsified(core.Privatizer):
     self._top = 0.0 if epochs * refreshes_per_epoch == 1 else final_sparsity
 
   @property
-  def inner(self) -> core.Privatizer:
-    return self._inner
-
-  @property
-  def requires_public_grads(self) -> bool:
-    return self._inner.requires_public_grads
-
-  @property
   def config(self) -> Dict[str, Any]:
     return {'inner': core.serialize(self._inner),
             'final_sparsity': self._final_sparsity,
@@ -157,16 +145,6 @@ class Sparsified(core.Privatizer):
             'steps_per_epoch': self._steps_per_epoch,
             'refreshes_per_epoch': self._refreshes,
             'mask_seed': self._mask_seed}
-
-  @property
-  def noise_multiplier(self) -> float:
-    return self._inner.noise_multiplier
-
-  def with_noise_multiplier(self, noise_multiplier: float) -> 'Sparsified':
-    """The same wrapper around `inner.with_noise_multiplier(noise_multiplier)`."""
-    return type(self)(**{
-        **self.config,
-        'inner': self._inner.with_noise_multiplier(noise_multiplier)})
 
   # --- schedule (the same arithmetic in Python and in the graph) -------------
 
@@ -264,9 +242,6 @@ class Sparsified(core.Privatizer):
             # (drawing them sorts all d coordinates); -1: none drawn yet.
             'window': tf.constant(-1, tf.int64),
             'masks': [tf.zeros(p.shape, tf.float32) for p in params]}
-
-  def logs(self, state):
-    return self._inner.logs(state['inner'])
 
   def prepare(self, state, seed, per_example_grads, public_grads):
     step = tf.convert_to_tensor(state['step'], tf.int64)
