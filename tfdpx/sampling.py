@@ -32,6 +32,21 @@ def secret_entropy() -> int:
   return np.random.SeedSequence().entropy
 
 
+def _root(sampling_probability: float, seed: Optional[int]) -> int:
+  """The root of a dataset's generators: `seed`, or a fresh secret.
+
+  Raises:
+    ValueError: for a bad `sampling_probability` or `seed`, naming it.
+  """
+  if not 0 < sampling_probability <= 1:
+    raise ValueError(f'sampling_probability must be in (0, 1], got '
+                     f'{sampling_probability!r}')
+  if seed is not None and (int(seed) != seed or seed < 0):
+    raise ValueError(f'seed must be a non-negative integer or None, got '
+                     f'{seed!r}')
+  return secret_entropy() if seed is None else int(seed)
+
+
 def poisson_batches(x, y, *, sampling_probability: float, steps: int,
                     seed: Optional[int] = None,
                     batch_size: Optional[int] = None) -> tf.data.Dataset:
@@ -68,13 +83,7 @@ def poisson_batches(x, y, *, sampling_probability: float, steps: int,
     read as `delta + steps * 1e-12`.
   """
   n = len(x)
-  if not 0 < sampling_probability <= 1:
-    raise ValueError(f'sampling_probability must be in (0, 1], got '
-                     f'{sampling_probability!r}')
-  if seed is not None and (int(seed) != seed or seed < 0):
-    raise ValueError(f'seed must be a non-negative integer or None, got '
-                     f'{seed!r}')
-  root = secret_entropy() if seed is None else int(seed)
+  root = _root(sampling_probability, seed)
   size = batch_size or max_batch_size(n, sampling_probability)
   x, y = np.asarray(x), np.asarray(y)
   iterations = itertools.count()
@@ -147,23 +156,17 @@ def poisson_user_batches(x, y, user_ids, *, sampling_probability: float,
   if len(user_ids) != len(x):
     raise ValueError(f'user_ids has {len(user_ids)} entries for {len(x)} '
                      'examples')
-  if not 0 < sampling_probability <= 1:
-    raise ValueError(f'sampling_probability must be in (0, 1], got '
-                     f'{sampling_probability!r}')
+  root = _root(sampling_probability, seed)
   if (isinstance(examples_per_user, bool) or
       int(examples_per_user) != examples_per_user or examples_per_user < 1):
     raise ValueError('examples_per_user must be a positive integer, got '
                      f'{examples_per_user!r}')
-  if seed is not None and (int(seed) != seed or seed < 0):
-    raise ValueError(f'seed must be a non-negative integer or None, got '
-                     f'{seed!r}')
   k = int(examples_per_user)
   _, inverse = np.unique(user_ids, return_inverse=True)
   rows_of_user = np.split(np.argsort(inverse, kind='stable'),
                           np.cumsum(np.bincount(inverse))[:-1])
   num_users = len(rows_of_user)
   slots = max_users or max_batch_size(num_users, sampling_probability)
-  root = secret_entropy() if seed is None else int(seed)
   x, y = np.asarray(x), np.asarray(y)
   iterations = itertools.count()
 

@@ -149,6 +149,21 @@ CASES += D2P2_CASES
 CASES += [sparsified_case(c) for c in list(CASES)]
 
 
+def _wrapped_case(case: Case, name: str, wrap) -> Case:
+  """`case` inside `wrap(inner)`, a wrapper that keeps the inner case's
+  sensitivity, noise and noiseless result."""
+  def make(noise_multiplier, l2_norm_clip):
+    return wrap(case.make(noise_multiplier, l2_norm_clip))
+
+  def noise_std(privatizer, step, l2_norm_clip):
+    return case.noise_std(privatizer.inner, step, l2_norm_clip)
+
+  return Case(f'{name}({case.name})', make, steps=case.steps,
+              noiseless_expected=case.noiseless_expected,
+              sensitivity=case.sensitivity, noise_std=noise_std,
+              needs_public=case.needs_public)
+
+
 def adaptive_case(case: Case) -> Case:
   """`case` inside adaptive clipping whose clip norm stays put.
 
@@ -158,18 +173,10 @@ def adaptive_case(case: Case) -> Case:
   the plumbing (scaled gradients, the count as a clipped sum, the state).
   The adaptation itself: tests/privatizers/test_adaptive.py.
   """
-  def make(noise_multiplier, l2_norm_clip):
-    return privatizers.adaptive_clipping(
-        case.make(noise_multiplier, l2_norm_clip), expected_batch_size=4,
-        learning_rate=0.0, count_noise_multiplier=1e6)
-
-  def noise_std(privatizer, step, l2_norm_clip):
-    return case.noise_std(privatizer.inner, step, l2_norm_clip)
-
-  return Case(f'adaptive({case.name})', make, steps=case.steps,
-              noiseless_expected=case.noiseless_expected,
-              sensitivity=case.sensitivity, noise_std=noise_std,
-              needs_public=case.needs_public)
+  return _wrapped_case(case, 'adaptive', lambda inner:
+                       privatizers.adaptive_clipping(
+                           inner, expected_batch_size=4, learning_rate=0.0,
+                           count_noise_multiplier=1e6))
 
 
 _ADAPTIVE = [adaptive_case(c) for c in CASES
@@ -181,17 +188,7 @@ def per_layer_case(case: Case) -> Case:
   """`case` after per-variable clipping at `C / sqrt(3)` each (the
   contract's three variables): the sensitivity and noise stay the inner
   case's, and at an infinite clip norm nothing changes."""
-  def make(noise_multiplier, l2_norm_clip):
-    return privatizers.per_layer_clipping(
-        case.make(noise_multiplier, l2_norm_clip))
-
-  def noise_std(privatizer, step, l2_norm_clip):
-    return case.noise_std(privatizer.inner, step, l2_norm_clip)
-
-  return Case(f'per_layer({case.name})', make, steps=case.steps,
-              noiseless_expected=case.noiseless_expected,
-              sensitivity=case.sensitivity, noise_std=noise_std,
-              needs_public=case.needs_public)
+  return _wrapped_case(case, 'per_layer', privatizers.per_layer_clipping)
 
 
 _PER_LAYER = [per_layer_case(c) for c in CASES
