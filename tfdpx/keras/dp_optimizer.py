@@ -388,8 +388,9 @@ class DPOptimizerMixin:
       chunk: `chunk(i)` -> physical batch `i`'s per-example gradients and a
         function returning its extras (`tfdpx.virtual_batches.Chunk`).
       var_list, public_grads: as `privatize`.
-      num_examples: the number of examples of the logical batch on this
-        replica (padding rows excluded), a scalar tensor.
+      num_examples: the number of rows of the logical batch on this
+        replica (before it is padded to whole physical batches), a scalar
+        tensor: the denominator at the first step when none was given.
 
     Returns:
       `(gradients, extras)`: as `privatize`'s return, and each physical
