@@ -258,11 +258,15 @@ def _conv_patches(layer, inputs):
 
 def _conv_unit(call: RuleCall) -> unit_lib.Unit:
   layer = call.layer
+  # Under mixed precision the layer's own backward pass would sum in 16
+  # bits; the patch form sums the float32 values the norms come from.
+  backward = (None if call.tap.dtype in (tf.bfloat16, tf.float16) else
+              _backward_weighted_sum(call, _conv_forward))
   return dense_forms.ProductUnit(
       layer.kernel, layer.bias if layer.use_bias else None,
       lambda elems: _conv_patches(layer, elems[0]),
       [_conv_pad(layer, call.inputs)], _sequence_rows(call.tap_grad),
-      call.chunk_size, _backward_weighted_sum(call, _conv_forward))
+      call.chunk_size, backward)
 
 
 # --- Embedding ---------------------------------------------------------------

@@ -268,6 +268,22 @@ def _dense(grads) -> List[tf.Tensor]:
   return [tf.convert_to_tensor(g) for g in grads]  # Embeddings: dense.
 
 
+def half_precision(dtype) -> bool:
+  """Whether `dtype` is a 16-bit float (a mixed precision compute dtype)."""
+  return tf.as_dtype(dtype) in (tf.bfloat16, tf.float16)
+
+
+def _float32(tensor: tf.Tensor) -> tf.Tensor:
+  """A 16-bit float `tensor` in float32 (other tensors as they are).
+
+  Under a mixed precision policy a layer's inputs and output gradients are
+  16-bit; the units form every statistic and sum of a layer from the same
+  float32 values, so that a clip factor and the sum it weights see the same
+  per-example gradient (docs/mixed_precision.md).
+  """
+  return tf.cast(tensor, tf.float32) if half_precision(tensor.dtype) else tensor
+
+
 def _finite_rows(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
   """`[B]` bool: whether each row of every `[B, ...]` tensor is finite."""
   return tf.math.is_finite(clipping.per_example_global_norm(tensors))
@@ -410,6 +426,10 @@ def _fallback_unit(call: _FallbackCall, output_grads, chunk_size,
   elems = [flat[i] for i in _batched_positions(call)] + list(output_grads)
   unit = materialized_forms.MaterializedUnit(
       call.variables, _example_grads(call), elems, chunk_size)
+  if any(half_precision(g.dtype) for g in output_grads):
+    # A backward pass would sum in 16 bits what the norms saw per example:
+    # the sum comes from the per-example gradients themselves.
+    return unit
 
   def weighted_sum(weights, keep):
     # One weighted backward pass through the recorded call (row b of the
@@ -513,8 +533,9 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
   grads = tape.gradient(total, [taps, fallback_outputs],
                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
   units = [
-      rule.make_unit(layer_rules.RuleCall(layer, layer_inputs, tap, tap_grad,
-                                          tape, chunk_size))
+      rule.make_unit(layer_rules.RuleCall(
+          layer, _float32(layer_inputs), tap, _float32(tap_grad), tape,
+          chunk_size))
       for (layer, rule, layer_inputs, tap), tap_grad in zip(
           recorder.rule_calls, grads[0])
   ] + [

@@ -16,9 +16,9 @@ Refused:
 - Stateful layers (`stateful=True` recurrent layers): the state carries one
   batch's data into the next step outside any clip.
 - Activity regularizers: a data-dependent loss over the whole batch.
-- Layers computing in float16 or bfloat16 (mixed or half precision dtype
-  policies): clip factors and clipped sums in 16-bit floats round a clipped
-  record past the clip norm.
+- Layers computing in float16 (the mixed_float16 policy): float16 needs loss
+  scaling, not supported yet. bfloat16 (mixed_bfloat16) is supported: every
+  statistic and sum is formed in float32 from the same per-example values.
 - Layers that write a variable of the model from the data in a training
   forward pass (BatchNormalization's moving statistics, a custom
   `self.v.assign(tf.reduce_mean(inputs))`): the variable then holds a function
@@ -92,8 +92,8 @@ def check_private_compatible(model: tf.keras.layers.Layer, inputs: Any = None,
 
   Raises:
     ValueError: naming the layer and the fix, for a layer that mixes the
-      examples of a batch, a stateful layer, a layer computing in float16
-      or bfloat16, an activity regularizer, a layer that writes a model
+      examples of a batch, a stateful layer, a layer computing in float16,
+      an activity regularizer, a layer that writes a model
       variable from the data in training, or (with `compile_path`) a layer
       with a weight regularizer or a scalar `add_loss` term.
   """
@@ -156,17 +156,16 @@ def _check_layer(layer) -> None:
         'the next step, outside any per-example clip, and checkpoints and the '
         'saved model release it. Use stateful=False.')
   compute_dtype = getattr(layer, 'compute_dtype', None)
-  if (compute_dtype in ('float16', 'bfloat16') and
+  if (compute_dtype == 'float16' and
       not isinstance(layer, tf.keras.layers.InputLayer)):
     policy = getattr(getattr(layer, 'dtype_policy', None), 'name', None)
     raise ValueError(
-        f'{name} computes in {compute_dtype} (dtype policy {policy!r}): '
-        'tfdpx would compute clip factors and clipped sums from its '
-        f'{compute_dtype} activations and gradients, whose rounding lets a '
-        'clipped record exceed l2_norm_clip (by 0.2% measured under '
-        "mixed_bfloat16), so the accounted sensitivity would not hold. Mixed "
-        'and half precision are not supported yet: train with the float32 '
-        "policy (tf.keras.mixed_precision.set_global_policy('float32')).")
+        f'{name} computes in float16 (dtype policy {policy!r}): float16 '
+        'needs loss scaling, which models made private do not support yet '
+        '(Keras would wrap the optimizer in a LossScaleOptimizer, whose '
+        'dynamic scale follows overflows of the private batch). Use the '
+        "mixed_bfloat16 policy (same exponent range as float32, no loss "
+        "scaling) or float32 (docs/mixed_precision.md).")
   if getattr(layer, 'activity_regularizer', None) is not None:
     raise ValueError(
         f'{name} has an activity_regularizer: a loss that depends on the '
