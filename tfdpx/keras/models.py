@@ -17,6 +17,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
+from tfdpx import core
 from tfdpx import gradients
 from tfdpx import noise
 from tfdpx import per_example
@@ -28,6 +29,11 @@ from tfdpx.keras.stack import optimizers
 from tfdpx.privatizers.gaussian import Gaussian
 
 DEFAULT_CHUNK_SIZE = 128
+
+# The loss scale of models with float16 layers (`loss_scale=None`): a fixed,
+# public constant (a dynamic scale would follow the private batch's
+# overflows). Per-example gradients up to 64 (65504 / 1024) do not overflow.
+FLOAT16_LOSS_SCALE = 1024.0
 
 # The hyperparameters the tfdpx version of each plain optimizer takes over.
 _HYPERPARAMETERS = {
@@ -127,7 +133,7 @@ class _PrivateTraining(keras_version.ModelHooks):
 
   def _set_engine(self, chunk_size, public_data, public_chunk_size,
                   use_layer_rules, fast_clipping, release_training_metrics,
-                  physical_batch_size, examples_per_user):
+                  physical_batch_size, examples_per_user, loss_scale):
     if int(chunk_size) != chunk_size or chunk_size < 1:
       raise ValueError(
           f'chunk_size must be a positive integer, got {chunk_size!r}')
@@ -166,6 +172,8 @@ class _PrivateTraining(keras_version.ModelHooks):
             f'multiple of examples_per_user={examples_per_user}: a user\'s '
             'examples must lie in one physical batch')
     self._dp_examples_per_user = examples_per_user
+    self._dp_loss_scale = (None if loss_scale is None else
+                           core.check_positive('loss_scale', loss_scale))
     self._dp_checked_eagerly = False
 
   @property
@@ -182,7 +190,8 @@ class _PrivateTraining(keras_version.ModelHooks):
     self._set_engine(self._dp_chunk_size, public_data, public_chunk_size,
                      self._dp_use_layer_rules, self._dp_fast_clipping,
                      self._dp_release_training_metrics,
-                     self._dp_physical_batch_size, self._dp_examples_per_user)
+                     self._dp_physical_batch_size, self._dp_examples_per_user,
+                     self._dp_loss_scale)
     self.train_function = None  # Traced without them.
 
   def train_step(self, data):
@@ -241,7 +250,15 @@ class _PrivateTraining(keras_version.ModelHooks):
         self, x,
         lambda outputs: keras_version.per_example_loss(self, y, outputs,
                                                        sample_weight),
-        var_list, self._dp_chunk_size, self._dp_use_layer_rules)
+        var_list, self._dp_chunk_size, self._dp_use_layer_rules,
+        self._loss_scale())
+
+  def _loss_scale(self) -> float:
+    """The fixed loss scale: `loss_scale`, or by default
+    `FLOAT16_LOSS_SCALE` for a model with float16 layers and 1 otherwise."""
+    if self._dp_loss_scale is not None:
+      return self._dp_loss_scale
+    return FLOAT16_LOSS_SCALE if validation.computes_in_float16(self) else 1.0
 
   def _records(self, grads):
     """The engine's lazy value, or with `fast_clipping=False` every
@@ -266,7 +283,8 @@ class _PrivateTraining(keras_version.ModelHooks):
         self, x_public, y_public,
         lambda y_true, outputs: keras_version.per_example_loss(
             self, y_true, outputs),
-        var_list, self._dp_public_chunk_size, self._dp_use_layer_rules)
+        var_list, self._dp_public_chunk_size, self._dp_use_layer_rules,
+        self._loss_scale())
     return self._records(public_grads)
 
   def _virtual_step(self, optimizer, x, y, sample_weight, var_list,
@@ -313,7 +331,8 @@ class _PrivateTraining(keras_version.ModelHooks):
               'fast_clipping': self._dp_fast_clipping,
               'release_training_metrics': self._dp_release_training_metrics,
               'physical_batch_size': self._dp_physical_batch_size,
-              'examples_per_user': self._dp_examples_per_user}
+              'examples_per_user': self._dp_examples_per_user,
+              'loss_scale': self._dp_loss_scale}
     if self._l2_norm_clip is not None:
       config.update(l2_norm_clip=self._l2_norm_clip,
                     noise_multiplier=self._noise_multiplier,
@@ -328,7 +347,7 @@ class _PrivateTraining(keras_version.ModelHooks):
     engine = {k: config.pop(k)
               for k in ('chunk_size', 'use_layer_rules', 'fast_clipping',
                         'release_training_metrics', 'physical_batch_size',
-                        'examples_per_user')
+                        'examples_per_user', 'loss_scale')
               if k in config}
     dp_arguments = {k: config.pop(k, None)
                     for k in ('l2_norm_clip', 'noise_multiplier',
@@ -340,7 +359,8 @@ class _PrivateTraining(keras_version.ModelHooks):
         engine.get('chunk_size', DEFAULT_CHUNK_SIZE), None, None,
         engine.get('use_layer_rules', True), engine.get('fast_clipping', True),
         engine.get('release_training_metrics', True),
-        engine.get('physical_batch_size'), engine.get('examples_per_user'))
+        engine.get('physical_batch_size'), engine.get('examples_per_user'),
+        engine.get('loss_scale'))
     model._set_dp_arguments(use_xla=use_xla, layer_registry=None,
                             **dp_arguments)
     # pylint: enable=protected-access
@@ -373,6 +393,13 @@ class _PrivateTraining(keras_version.ModelHooks):
       if not kwargs.get('run_eagerly'):  # Keras refuses both.
         kwargs.setdefault('jit_compile', self._use_xla)
     super().compile(*args, **kwargs)
+    # Under mixed_float16 Keras wraps the optimizer in a LossScaleOptimizer,
+    # whose dynamic scale would follow the private batch's overflows and
+    # which would unscale gradients it never scaled: the engine scales the
+    # loss by its own fixed `loss_scale` instead.
+    inner = getattr(self.optimizer, 'inner_optimizer', None)
+    if isinstance(inner, optimizers.DPOptimizerMixin):
+      self.optimizer = inner
     self._restore_optimizer_state(restored)
 
 
@@ -404,7 +431,8 @@ class DPModel(_PrivateTraining, tf.keras.Model):
                use_layer_rules: bool = True, fast_clipping: bool = True,
                release_training_metrics: bool = True,
                physical_batch_size: Optional[int] = None,
-               examples_per_user: Optional[int] = None, **kwargs):
+               examples_per_user: Optional[int] = None,
+               loss_scale: Optional[float] = None, **kwargs):
     """Args:
       *args: as `tf.keras.Model`.
       l2_norm_clip: tensorflow-privacy's DP model arguments, keyword-only:
@@ -460,6 +488,13 @@ class DPModel(_PrivateTraining, tf.keras.Model):
         one user with all of their examples. The optimizer needs a public
         denominator (`expected_batch_size`: the expected number of users per
         batch). See docs/user_level.md.
+      loss_scale: a fixed, public factor the per-example losses are
+        multiplied by for the backward pass (and every per-example gradient
+        divided by in float32 before any statistic), so that small gradients
+        of float16 layers do not underflow. Default: `FLOAT16_LOSS_SCALE`
+        (1024) if a layer computes in float16 (`mixed_float16`), else 1.
+        Keras's dynamic `LossScaleOptimizer` is not used: its scale would
+        follow the private batch's overflows. See docs/mixed_precision.md.
       **kwargs: as `tf.keras.Model`.
 
     Raises:
@@ -469,7 +504,7 @@ class DPModel(_PrivateTraining, tf.keras.Model):
     super().__init__(*args, **kwargs)
     self._set_engine(chunk_size, public_data, public_chunk_size,
                      use_layer_rules, fast_clipping, release_training_metrics,
-                     physical_batch_size, examples_per_user)
+                     physical_batch_size, examples_per_user, loss_scale)
     self._set_dp_arguments(l2_norm_clip, noise_multiplier, num_microbatches,
                            expected_batch_size, use_xla, layer_registry)
 
@@ -499,7 +534,8 @@ class DPSequential(_PrivateTraining, tf.keras.Sequential):
                use_layer_rules: bool = True, fast_clipping: bool = True,
                release_training_metrics: bool = True,
                physical_batch_size: Optional[int] = None,
-               examples_per_user: Optional[int] = None, **kwargs):
+               examples_per_user: Optional[int] = None,
+               loss_scale: Optional[float] = None, **kwargs):
     """Args:
       *args: as `tf.keras.Sequential` (`layers`, `name`).
       l2_norm_clip, noise_multiplier, num_microbatches, expected_batch_size,
@@ -507,7 +543,7 @@ class DPSequential(_PrivateTraining, tf.keras.Sequential):
         in `DPModel`.
       chunk_size, public_data, public_chunk_size, use_layer_rules,
         fast_clipping, release_training_metrics, physical_batch_size,
-        examples_per_user: as `DPModel`.
+        examples_per_user, loss_scale: as `DPModel`.
       **kwargs: as `tf.keras.Sequential`.
 
     Raises:
@@ -517,7 +553,7 @@ class DPSequential(_PrivateTraining, tf.keras.Sequential):
     super().__init__(*args, **kwargs)
     self._set_engine(chunk_size, public_data, public_chunk_size,
                      use_layer_rules, fast_clipping, release_training_metrics,
-                     physical_batch_size, examples_per_user)
+                     physical_batch_size, examples_per_user, loss_scale)
     self._set_dp_arguments(l2_norm_clip, noise_multiplier, num_microbatches,
                            expected_batch_size, use_xla, layer_registry)
 
@@ -546,7 +582,8 @@ def make_private(model: tf.keras.Model, *,
                  fast_clipping: bool = True,
                  release_training_metrics: bool = True,
                  physical_batch_size: Optional[int] = None,
-                 examples_per_user: Optional[int] = None) -> tf.keras.Model:
+                 examples_per_user: Optional[int] = None,
+                 loss_scale: Optional[float] = None) -> tf.keras.Model:
   """A model sharing `model`'s layers and weights, trained with fast DP steps.
 
   Compile the returned model with a tfdpx optimizer (`tfdpx.keras.DPSGD`, ...)
@@ -565,7 +602,7 @@ def make_private(model: tf.keras.Model, *,
       fallback unit.
     chunk_size, public_data, public_chunk_size, use_layer_rules,
       fast_clipping, release_training_metrics, physical_batch_size,
-      examples_per_user: see `DPModel`.
+      examples_per_user, loss_scale: see `DPModel`.
 
   Returns:
     A `DPModel` or `DPSequential`.
@@ -605,7 +642,7 @@ def make_private(model: tf.keras.Model, *,
                 use_layer_rules=use_layer_rules, fast_clipping=fast_clipping,
                 release_training_metrics=release_training_metrics,
                 physical_batch_size=physical_batch_size,
-                examples_per_user=examples_per_user)
+                examples_per_user=examples_per_user, loss_scale=loss_scale)
   if isinstance(model, tf.keras.Sequential) and not model.built:
     return DPSequential(model.layers, name=model.name + '_private', **engine)
   if functional:

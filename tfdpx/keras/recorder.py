@@ -416,16 +416,27 @@ def _recorded_grads(call: _FallbackCall, output_grads,
 
 
 def _fallback_unit(call: _FallbackCall, output_grads, chunk_size,
-                   draws_random_numbers) -> unit_lib.Unit:
-  """The unit of a layer call without a rule."""
+                   draws_random_numbers, loss_scale=1.0) -> unit_lib.Unit:
+  """The unit of a layer call without a rule.
+
+  Its output gradients stay in the layer's dtype and scale (the per-example
+  recomputation runs in that dtype); its per-example gradients are divided by
+  `loss_scale` (in the variables' dtype).
+  """
+
+  def unscaled(grads):
+    return grads if loss_scale == 1 else [g / loss_scale for g in grads]
+
   if draws_random_numbers and call.outputs:
-    grads = _recorded_grads(call, output_grads, chunk_size)
+    grads = unscaled(_recorded_grads(call, output_grads, chunk_size))
     return materialized_forms.MaterializedUnit(
         call.variables, lambda _: grads, [], chunk_size=None)
   flat = tf.nest.flatten((call.args, call.kwargs))
   elems = [flat[i] for i in _batched_positions(call)] + list(output_grads)
+  example_grads = _example_grads(call)
   unit = materialized_forms.MaterializedUnit(
-      call.variables, _example_grads(call), elems, chunk_size)
+      call.variables, lambda chunk: unscaled(example_grads(chunk)), elems,
+      chunk_size)
   if any(half_precision(g.dtype) for g in output_grads):
     # A backward pass would sum in 16 bits what the norms saw per example:
     # the sum comes from the per-example gradients themselves.
@@ -438,9 +449,9 @@ def _fallback_unit(call: _FallbackCall, output_grads, chunk_size,
     # rows of the batched product as 0 * NaN.
     weighted = [unit_lib.weighted_rows(g, weights, keep)
                 for g in output_grads]
-    recorded = _dense(call.tape.gradient(
+    recorded = unscaled(_dense(call.tape.gradient(
         call.outputs, call.variables, output_gradients=weighted,
-        unconnected_gradients=tf.UnconnectedGradients.ZERO))
+        unconnected_gradients=tf.UnconnectedGradients.ZERO)))
     return tf.cond(tf.reduce_all(keep), lambda: recorded,
                    lambda: unit.materialized_weighted_sum(weights, keep))
 
@@ -452,7 +463,8 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
                     per_example_loss: Callable[[Any], tf.Tensor],
                     var_list: Sequence[tf.Variable],
                     chunk_size: int = 128,
-                    use_rules: bool = True) -> per_example.GradientResult:
+                    use_rules: bool = True,
+                    loss_scale: float = 1.0) -> per_example.GradientResult:
   """The per-example gradients of a Keras model, from one batched pass.
 
   Each example's gradient is the gradient of its loss through the very
@@ -472,6 +484,10 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
       layer's Jacobian.
     use_rules: False sends every layer to the fallback (for tests and
       benchmarks).
+    loss_scale: the backward pass runs on the losses times this public
+      constant (float16 layers: small gradients would underflow), and every
+      per-example gradient is divided by it again in float32 before any
+      statistic; 1 (the default) for float32 and bfloat16.
 
   Returns:
     A `per_example.GradientResult` whose `grads` answer per-example
@@ -495,6 +511,8 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
       losses = per_example_loss(outputs)
     recorder.read_outside(loss_tape.watched_variables())
     total = tf.reduce_sum(losses)
+    if loss_scale != 1:
+      total = tf.cast(total, tf.float32) * loss_scale
     terms = model.losses
     regularization = tf.add_n(terms) if terms else None
 
@@ -534,12 +552,13 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
   units = [
       rule.make_unit(layer_rules.RuleCall(
-          layer, _float32(layer_inputs), tap, _float32(tap_grad), tape,
-          chunk_size))
+          layer, _float32(layer_inputs), tap,
+          _float32(tap_grad) / loss_scale if loss_scale != 1 else
+          _float32(tap_grad), tape, chunk_size))
       for (layer, rule, layer_inputs, tap), tap_grad in zip(
           recorder.rule_calls, grads[0])
   ] + [
-      _fallback_unit(call, out_grads, chunk_size, draws)
+      _fallback_unit(call, out_grads, chunk_size, draws, loss_scale)
       for call, out_grads, draws in zip(recorder.fallback_calls, grads[1],
                                         random)
   ]
@@ -552,7 +571,8 @@ def public_gradients(model: tf.keras.Model, inputs: Any, targets: Any,
                      per_example_loss: Callable[[Any, Any], tf.Tensor],
                      var_list: Sequence[tf.Variable],
                      chunk_size: int,
-                     use_rules: bool = True
+                     use_rules: bool = True,
+                     loss_scale: float = 1.0
                     ) -> gradients.PerExampleGradients:
   """Per-example gradients of public examples, as the engine's lazy value.
 
@@ -567,7 +587,7 @@ def public_gradients(model: tf.keras.Model, inputs: Any, targets: Any,
     per_example_loss: `per_example_loss(targets, outputs) -> [B]`.
     var_list: the variables to differentiate.
     chunk_size: examples per chunk where per-example gradients are formed.
-    use_rules: as in `model_gradients`.
+    use_rules, loss_scale: as in `model_gradients`.
 
   Returns:
     A `tfdpx.gradients.PerExampleGradients`. Never clipped or noised: public
@@ -576,4 +596,4 @@ def public_gradients(model: tf.keras.Model, inputs: Any, targets: Any,
   targets = tf.nest.map_structure(tf.convert_to_tensor, targets)
   return model_gradients(
       model, inputs, lambda outputs: per_example_loss(targets, outputs),
-      var_list, chunk_size, use_rules).grads
+      var_list, chunk_size, use_rules, loss_scale).grads

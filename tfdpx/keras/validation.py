@@ -16,9 +16,11 @@ Refused:
 - Stateful layers (`stateful=True` recurrent layers): the state carries one
   batch's data into the next step outside any clip.
 - Activity regularizers: a data-dependent loss over the whole batch.
-- Layers computing in float16 (the mixed_float16 policy): float16 needs loss
-  scaling, not supported yet. bfloat16 (mixed_bfloat16) is supported: every
-  statistic and sum is formed in float32 from the same per-example values.
+- On the compile path, layers computing in float16 (the mixed_float16
+  policy): float16 needs loss scaling, which models made private do with a
+  fixed public scale. bfloat16 (mixed_bfloat16) is supported everywhere:
+  every statistic and sum is formed in float32 from the same per-example
+  values.
 - Layers that write a variable of the model from the data in a training
   forward pass (BatchNormalization's moving statistics, a custom
   `self.v.assign(tf.reduce_mean(inputs))`): the variable then holds a function
@@ -92,18 +94,28 @@ def check_private_compatible(model: tf.keras.layers.Layer, inputs: Any = None,
 
   Raises:
     ValueError: naming the layer and the fix, for a layer that mixes the
-      examples of a batch, a stateful layer, a layer computing in float16,
-      an activity regularizer, a layer that writes a model
-      variable from the data in training, or (with `compile_path`) a layer
-      with a weight regularizer or a scalar `add_loss` term.
+      examples of a batch, a stateful layer, an activity regularizer, a layer
+      that writes a model variable from the data in training, or (with
+      `compile_path`) a layer computing in float16 (no loss scaling there), a
+      layer with a weight regularizer or a scalar `add_loss` term.
   """
   layers = _layers(model)
   for layer in layers:
-    _check_layer(layer)
+    _check_layer(layer, compile_path)
   if compile_path:
     _check_losses(model, layers)
   if inputs is not None:
     _check_writes(model, layers, inputs)
+
+
+def _computes_in_float16(layer) -> bool:
+  return (getattr(layer, 'compute_dtype', None) == 'float16' and
+          not isinstance(layer, tf.keras.layers.InputLayer))
+
+
+def computes_in_float16(model) -> bool:
+  """Whether a layer of `model` computes in float16 (`mixed_float16`)."""
+  return any(_computes_in_float16(layer) for layer in _layers(model))
 
 
 def _layers(model) -> List[tf.keras.layers.Layer]:
@@ -134,7 +146,7 @@ def _normalizes_over_batch(layer) -> bool:
   return False
 
 
-def _check_layer(layer) -> None:
+def _check_layer(layer, compile_path: bool = False) -> None:
   name = f'layer {layer.name!r} ({type(layer).__name__})'
   if _normalizes_over_batch(layer):
     if isinstance(layer, _BatchNormalization):
@@ -155,17 +167,15 @@ def _check_layer(layer) -> None:
         f'{name} is stateful: its state carries the data of one batch into '
         'the next step, outside any per-example clip, and checkpoints and the '
         'saved model release it. Use stateful=False.')
-  compute_dtype = getattr(layer, 'compute_dtype', None)
-  if (compute_dtype == 'float16' and
-      not isinstance(layer, tf.keras.layers.InputLayer)):
+  if compile_path and _computes_in_float16(layer):
     policy = getattr(getattr(layer, 'dtype_policy', None), 'name', None)
     raise ValueError(
         f'{name} computes in float16 (dtype policy {policy!r}): float16 '
-        'needs loss scaling, which models made private do not support yet '
-        '(Keras would wrap the optimizer in a LossScaleOptimizer, whose '
-        'dynamic scale follows overflows of the private batch). Use the '
-        "mixed_bfloat16 policy (same exponent range as float32, no loss "
-        "scaling) or float32 (docs/mixed_precision.md).")
+        'needs loss scaling, which the compile path does not do (Keras would '
+        'wrap the optimizer in a LossScaleOptimizer, whose dynamic scale '
+        'follows overflows of the private batch). Train '
+        'tfdpx.keras.make_private(model), which scales the loss by a fixed '
+        "public factor, or use mixed_bfloat16 (docs/mixed_precision.md).")
   if getattr(layer, 'activity_regularizer', None) is not None:
     raise ValueError(
         f'{name} has an activity_regularizer: a loss that depends on the '
