@@ -5,10 +5,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
 
 
+# About a minute per stack (every method of the demo in a subprocess):
+# `make test-all` runs it, and `make demo` is the demo itself.
+@pytest.mark.slow
 def test_demo_writes_one_row_per_method_with_its_epsilon(tmp_path):
   result = subprocess.run(
       [sys.executable, 'examples/demo.py', f'--out_dir={tmp_path}',
