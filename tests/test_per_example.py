@@ -241,15 +241,18 @@ class _InGraph:
     return lambda *args: statistic(x, *args)
 
 
-def _slow_mixed(names):
-  """The mixed model (every layer family in one model) takes 20-30 s a
-  test: `make test-all` runs it; each family is also checked alone."""
-  return [pytest.param(n, marks=pytest.mark.slow) if n == 'mixed' else n
+def _slow_mixed(names, slow=('mixed',)):
+  """`names` with the slow ones marked (`make test-all` runs them): the
+  mixed model (every layer family in one model) takes 20-30 s a test, and
+  each family is also checked alone; Conv1D and LSTM 11-16 s, and Conv2D
+  and GRU go through the same forms."""
+  return [pytest.param(n, marks=pytest.mark.slow) if n in slow else n
           for n in names]
 
 
 @pytest.mark.parametrize('use_rules', [True, False], ids=['rules', 'fallback'])
-@pytest.mark.parametrize('name', _slow_mixed(sorted(MODELS)))
+@pytest.mark.parametrize('name', _slow_mixed(sorted(MODELS),
+                                             ('mixed', 'conv1d', 'lstm')))
 def test_every_statistic_equals_a_loop_of_single_example_tapes(name,
                                                                use_rules):
   _check_against_the_loop(name, use_rules=use_rules)
@@ -560,7 +563,8 @@ def _random_models():
 
 
 @pytest.mark.parametrize('graph', [False, True], ids=['eager', 'graph'])
-@pytest.mark.parametrize('name', ['lstm', 'gru', 'attention', 'subclassed'])
+@pytest.mark.parametrize('name', _slow_mixed(
+    ['lstm', 'gru', 'attention', 'subclassed'], ('lstm',)))
 def test_a_random_fallback_call_gets_the_gradients_of_the_forward_that_ran(
     name, graph, caplog):
   # Before, the fallback recomputed each example with new dropout masks.
