@@ -241,6 +241,19 @@ def deserialize(description: Dict[str, Any]) -> Privatizer:
   return _REGISTRY[name].from_config(description['config'])
 
 
+def check_positive_int(name: str, value) -> int:
+  """Validates a count argument (a batch or group size); returns it as int.
+
+  Raises:
+    ValueError: naming `name`, if `value` is not a whole number >= 1 (a bool
+      or a string is not).
+  """
+  if (isinstance(value, bool) or not isinstance(value, (int, float)) or
+      int(value) != value or value < 1):
+    raise ValueError(f'{name} must be a positive integer, got {value!r}')
+  return int(value)
+
+
 def check_positive(name: str, value, *, allow_zero: bool = False) -> float:
   """Validates a constructor argument; returns it as a Python float.
 

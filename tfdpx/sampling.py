@@ -16,6 +16,8 @@ import numpy as np
 from scipy import stats
 import tensorflow as tf
 
+from tfdpx import core
+
 # Per-step probability that a Poisson batch has more examples than the padded
 # shape holds (those extra examples would be dropped).
 OVERFLOW_PROBABILITY = 1e-12
@@ -157,11 +159,7 @@ def poisson_user_batches(x, y, user_ids, *, sampling_probability: float,
     raise ValueError(f'user_ids has {len(user_ids)} entries for {len(x)} '
                      'examples')
   root = _root(sampling_probability, seed)
-  if (isinstance(examples_per_user, bool) or
-      int(examples_per_user) != examples_per_user or examples_per_user < 1):
-    raise ValueError('examples_per_user must be a positive integer, got '
-                     f'{examples_per_user!r}')
-  k = int(examples_per_user)
+  k = core.check_positive_int('examples_per_user', examples_per_user)
   _, inverse = np.unique(user_ids, return_inverse=True)
   rows_of_user = np.split(np.argsort(inverse, kind='stable'),
                           np.cumsum(np.bincount(inverse))[:-1])

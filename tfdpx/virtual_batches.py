@@ -26,15 +26,6 @@ Chunk = Callable[[tf.Tensor], Tuple[gradients.PerExampleGradients,
                                     Callable[[], Any]]]
 
 
-def check_physical_batch_size(value) -> int:
-  """`value` as a positive int, or a ValueError naming the argument."""
-  if (isinstance(value, bool) or not isinstance(value, (int, float)) or
-      int(value) != value or value < 1):
-    raise ValueError(
-        f'physical_batch_size must be a positive integer, got {value!r}')
-  return int(value)
-
-
 def split(tensors: Any, physical_batch_size: int) -> Tuple[Any, tf.Tensor]:
   """Splits a batch into physical batches of `physical_batch_size` rows.
 

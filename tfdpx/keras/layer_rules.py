@@ -256,11 +256,16 @@ def _conv_patches(layer, inputs):
   return tf.reshape(patches, [shape[0], -1, taps * channels])
 
 
+def half_precision(dtype) -> bool:
+  """Whether `dtype` is a 16-bit float (a mixed precision compute dtype)."""
+  return tf.as_dtype(dtype) in (tf.bfloat16, tf.float16)
+
+
 def _conv_unit(call: RuleCall) -> unit_lib.Unit:
   layer = call.layer
   # Under mixed precision the layer's own backward pass would sum in 16
   # bits; the patch form sums the float32 values the norms come from.
-  backward = (None if call.tap.dtype in (tf.bfloat16, tf.float16) else
+  backward = (None if half_precision(call.tap.dtype) else
               _backward_weighted_sum(call, _conv_forward))
   return dense_forms.ProductUnit(
       layer.kernel, layer.bias if layer.use_bias else None,

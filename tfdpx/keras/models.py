@@ -156,15 +156,10 @@ class _PrivateTraining(keras_version.ModelHooks):
     self._dp_release_training_metrics = bool(release_training_metrics)
     self._dp_physical_batch_size = (
         None if physical_batch_size is None else
-        virtual_batches.check_physical_batch_size(physical_batch_size))
+        core.check_positive_int('physical_batch_size', physical_batch_size))
     if examples_per_user is not None:
-      if (isinstance(examples_per_user, bool) or
-          not isinstance(examples_per_user, (int, float)) or
-          int(examples_per_user) != examples_per_user or
-          examples_per_user < 1):
-        raise ValueError('examples_per_user must be a positive integer, got '
-                         f'{examples_per_user!r}')
-      examples_per_user = int(examples_per_user)
+      examples_per_user = core.check_positive_int('examples_per_user',
+                                                  examples_per_user)
       if (self._dp_physical_batch_size is not None and
           self._dp_physical_batch_size % examples_per_user):
         raise ValueError(

@@ -268,11 +268,6 @@ def _dense(grads) -> List[tf.Tensor]:
   return [tf.convert_to_tensor(g) for g in grads]  # Embeddings: dense.
 
 
-def half_precision(dtype) -> bool:
-  """Whether `dtype` is a 16-bit float (a mixed precision compute dtype)."""
-  return tf.as_dtype(dtype) in (tf.bfloat16, tf.float16)
-
-
 def _float32(tensor: tf.Tensor) -> tf.Tensor:
   """A 16-bit float `tensor` in float32 (other tensors as they are).
 
@@ -281,7 +276,9 @@ def _float32(tensor: tf.Tensor) -> tf.Tensor:
   float32 values, so that a clip factor and the sum it weights see the same
   per-example gradient (docs/mixed_precision.md).
   """
-  return tf.cast(tensor, tf.float32) if half_precision(tensor.dtype) else tensor
+  if layer_rules.half_precision(tensor.dtype):
+    return tf.cast(tensor, tf.float32)
+  return tensor
 
 
 def _finite_rows(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
@@ -437,7 +434,7 @@ def _fallback_unit(call: _FallbackCall, output_grads, chunk_size,
   unit = materialized_forms.MaterializedUnit(
       call.variables, lambda chunk: unscaled(example_grads(chunk)), elems,
       chunk_size)
-  if any(half_precision(g.dtype) for g in output_grads):
+  if any(layer_rules.half_precision(g.dtype) for g in output_grads):
     # A backward pass would sum in 16 bits what the norms saw per example:
     # the sum comes from the per-example gradients themselves.
     return unit
