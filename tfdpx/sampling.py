@@ -58,7 +58,8 @@ def poisson_batches(x, y, *, sampling_probability: float, steps: int,
   draws new, independent batches.
 
   Args:
-    x: array of examples, `[n, ...]`.
+    x: array of examples, `[n, ...]`, or a tuple or dict of such arrays (a
+      model with several inputs).
     y: array of labels, `[n, ...]`.
     sampling_probability: q in (0, 1], each example's probability to be in a
       batch.
@@ -84,11 +85,21 @@ def poisson_batches(x, y, *, sampling_probability: float, steps: int,
     probability at most 1e-12 per step, and the statement's delta should be
     read as `delta + steps * 1e-12`.
   """
-  n = len(x)
+  if not isinstance(x, (tuple, dict)):
+    x = np.asarray(x)
+  x = tf.nest.map_structure(np.asarray, x)
+  y = np.asarray(y)
+  n = len(y)
+  if any(len(a) != n for a in tf.nest.flatten(x)):
+    raise ValueError(f'x and y must have the same number of examples ({n})')
   root = _root(sampling_probability, seed)
   size = batch_size or max_batch_size(n, sampling_probability)
-  x, y = np.asarray(x), np.asarray(y)
   iterations = itertools.count()
+
+  def padded(a, chosen):
+    batch = np.zeros((size,) + a.shape[1:], a.dtype)
+    batch[:len(chosen)] = a[chosen]
+    return batch
 
   def generate():
     # A new generator per iteration of the dataset, keyed by its index.
@@ -96,18 +107,16 @@ def poisson_batches(x, y, *, sampling_probability: float, steps: int,
         np.random.SeedSequence(root, spawn_key=(next(iterations),)))
     for _ in range(steps):
       chosen = np.flatnonzero(rng.random(n) < sampling_probability)[:size]
-      xb = np.zeros((size,) + x.shape[1:], x.dtype)
-      yb = np.zeros((size,) + y.shape[1:], y.dtype)
       weight = np.zeros(size, np.float32)
-      xb[:len(chosen)], yb[:len(chosen)], weight[:len(chosen)] = (
-          x[chosen], y[chosen], 1)
-      yield xb, yb, weight
+      weight[:len(chosen)] = 1
+      yield (tf.nest.map_structure(lambda a: padded(a, chosen), x),  # pylint: disable=cell-var-from-loop
+             padded(y, chosen), weight)
 
-  signature = (
-      tf.TensorSpec((size,) + x.shape[1:], tf.as_dtype(x.dtype)),
-      tf.TensorSpec((size,) + y.shape[1:], tf.as_dtype(y.dtype)),
-      tf.TensorSpec((size,), tf.float32),
-  )
+  def spec(a):
+    return tf.TensorSpec((size,) + a.shape[1:], tf.as_dtype(a.dtype))
+
+  signature = (tf.nest.map_structure(spec, x), spec(y),
+               tf.TensorSpec((size,), tf.float32))
   dataset = tf.data.Dataset.from_generator(generate,
                                            output_signature=signature)
   return dataset.apply(tf.data.experimental.assert_cardinality(steps))

@@ -1,0 +1,157 @@
+"""Lower bounds on epsilon from an attacker's guesses about canaries.
+
+Two tests, each of the null hypothesis "the training run is (eps, delta)-DP",
+rejected at a confidence level; the largest rejected eps is the lower bound.
+
+* One run (Steinke, Nasr, Jagielski 2023): m canaries, each included
+  independently with probability 1/2; the attacker guesses in or out for r of
+  them and abstains on the rest. Under (eps, delta)-DP the number of correct
+  guesses is at most Binomial(r, e^eps / (1 + e^eps)) plus a term in delta
+  (their Theorem 5.2), whatever the canaries' dependence through training.
+* Two runs (classic: Jagielski et al. 2020, Nasr et al. 2021): independent
+  trials with and without one canary, a threshold on the attacker's score,
+  and Clopper-Pearson bounds on its false positive and false negative rates:
+  `eps >= log((1 - delta - FNR) / FPR)`.
+"""
+
+import math
+from typing import Sequence, Tuple
+
+import numpy as np
+from scipy import stats
+
+
+def one_run_p_value(num_canaries: int, num_guesses: int, num_correct: int,
+                    epsilon: float, delta: float) -> float:
+  """Probability of `num_correct` or more correct guesses under (eps, delta)-DP.
+
+  Args:
+    num_canaries: m, the canaries, each included with probability 1/2.
+    num_guesses: r <= m, the guesses made (the rest are abstentions).
+    num_correct: v <= r, the correct guesses.
+    epsilon, delta: the DP guarantee of the null hypothesis.
+
+  Returns:
+    An upper bound on the p-value (at most 1).
+  """
+  m, r, v = num_canaries, num_guesses, num_correct
+  if not 0 <= v <= r <= m:
+    raise ValueError(f'need 0 <= num_correct <= num_guesses <= num_canaries, '
+                     f'got {v}, {r}, {m}')
+  accuracy = 1 / (1 + math.exp(-epsilon))  # eps-DP randomized response
+  tail = stats.binom.sf(v - 1, r, accuracy)  # P[Binomial(r, p) >= v]
+  # The delta term: max over i of P[v - i <= Binomial(r, p) < v] / i.
+  below = stats.binom.pmf(np.arange(v - 1, -1, -1), r, accuracy)
+  delta_weight = np.max(np.cumsum(below) / np.arange(1, v + 1)) if v else 0.0
+  return min(1.0, tail + 2 * m * delta * delta_weight)
+
+
+def one_run_epsilon_lower_bound(num_canaries: int, num_guesses: int,
+                                num_correct: int, *, delta: float,
+                                confidence: float = 0.95) -> float:
+  """The largest eps that `num_correct` of `num_guesses` rejects.
+
+  The bound holds with probability `confidence` over the canaries' random
+  inclusion and the training run: 0 if even eps = 0 is not rejected.
+  """
+  p = 1 - confidence
+
+  def rejected(eps):
+    return one_run_p_value(num_canaries, num_guesses, num_correct, eps,
+                           delta) < p
+
+  if not rejected(0.0):
+    return 0.0
+  lo, hi = 0.0, 1.0
+  while rejected(hi):
+    lo, hi = hi, 2 * hi
+    if hi > 1e3:
+      return math.inf
+  for _ in range(40):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if rejected(mid) else (lo, mid)
+  return lo
+
+
+def guesses(scores: Sequence[float], included: Sequence[bool],
+            num_guesses: int) -> Tuple[int, int]:
+  """`(guesses, correct)`: "in" for the top half, "out" for the bottom half.
+
+  The `num_guesses // 2` highest-scoring canaries are guessed included and as
+  many lowest-scoring ones excluded; ties are broken at random.
+  """
+  scores = np.asarray(scores, np.float64)
+  included = np.asarray(included, bool)
+  half = num_guesses // 2
+  if not 0 < 2 * half <= len(scores):
+    raise ValueError(f'num_guesses must be in [2, {len(scores)}], got '
+                     f'{num_guesses}')
+  order = np.lexsort((np.random.default_rng().random(len(scores)), scores))
+  correct = np.sum(~included[order[:half]]) + np.sum(included[order[-half:]])
+  return 2 * half, int(correct)
+
+
+def one_run_audit(scores: Sequence[float], included: Sequence[bool], *,
+                  delta: float, confidence: float = 0.95,
+                  guess_fractions: Sequence[float] = (0.02, 0.05, 0.1, 0.2, 0.5,
+                                                      1.0)) -> dict:
+  """The one-run lower bound from canary scores (higher: more likely in).
+
+  Each fraction of the canaries is one attack (`guesses`); they are tested at
+  `1 - (1 - confidence) / len(guess_fractions)` each (Bonferroni), so the
+  largest of their bounds holds at `confidence`.
+
+  Returns:
+    A dict: `epsilon_lower_bound`, and the attack that gave it:
+    `num_guesses`, `num_correct`.
+  """
+  m = len(scores)
+  each = 1 - (1 - confidence) / len(guess_fractions)
+  best = {'epsilon_lower_bound': 0.0, 'num_guesses': 0, 'num_correct': 0}
+  for fraction in guess_fractions:
+    r, v = guesses(scores, included, max(2, int(fraction * m)))
+    eps = one_run_epsilon_lower_bound(m, r, v, delta=delta, confidence=each)
+    if eps > best['epsilon_lower_bound'] or not best['num_guesses']:
+      best = {'epsilon_lower_bound': eps, 'num_guesses': r, 'num_correct': v}
+  return best
+
+
+def _rate_upper_bound(errors: int, trials: int, alpha: float) -> float:
+  """One-sided Clopper-Pearson upper bound on a rate, level `1 - alpha`."""
+  if errors >= trials:
+    return 1.0
+  return float(stats.beta.ppf(1 - alpha, errors + 1, trials - errors))
+
+
+def two_run_epsilon_lower_bound(in_scores: Sequence[float],
+                                out_scores: Sequence[float], *, delta: float,
+                                confidence: float = 0.95) -> dict:
+  """The classic bound from independent runs with and without a canary.
+
+  The threshold is chosen on the first half of each list of scores and the
+  rates are bounded on the second half, so the choice costs no confidence.
+  Both rates' bounds hold together at `confidence` (union bound).
+
+  Returns:
+    A dict: `epsilon_lower_bound`, `threshold`, and the upper bounds
+    `false_positive_rate`, `false_negative_rate`.
+  """
+  ins = np.asarray(in_scores, np.float64)
+  outs = np.asarray(out_scores, np.float64)
+  if min(len(ins), len(outs)) < 4:
+    raise ValueError('need at least 4 runs with and 4 without the canary')
+  alpha = (1 - confidence) / 2
+
+  def bound(threshold, ins, outs):
+    fpr = _rate_upper_bound(int(np.sum(outs >= threshold)), len(outs), alpha)
+    fnr = _rate_upper_bound(int(np.sum(ins < threshold)), len(ins), alpha)
+    eps = max(0.0, math.log(max(1 - delta - fnr, 1e-300) / fpr))
+    return eps, fpr, fnr
+
+  fit_in, test_in = np.array_split(ins, 2)
+  fit_out, test_out = np.array_split(outs, 2)
+  candidates = np.unique(np.concatenate([fit_in, fit_out]))
+  threshold = max(candidates, key=lambda t: bound(t, fit_in, fit_out)[0])
+  eps, fpr, fnr = bound(threshold, test_in, test_out)
+  return {'epsilon_lower_bound': eps, 'threshold': float(threshold),
+          'false_positive_rate': fpr, 'false_negative_rate': fnr}

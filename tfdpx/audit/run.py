@@ -1,0 +1,128 @@
+"""Audits: train with canaries through `make_private`, score, bound epsilon."""
+
+from typing import Callable, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from tfdpx import accounting
+from tfdpx import core
+from tfdpx import keras as tfdpx_keras
+from tfdpx import sampling
+from tfdpx.audit import bounds
+from tfdpx.audit import canaries as canaries_lib
+
+
+def train_with_canaries(privatizer: core.Privatizer,
+                        model_fn: Callable[[], tf.keras.Model], x, y, *,
+                        canaries: canaries_lib.Canaries,
+                        included: np.ndarray, sampling_probability: float,
+                        steps: int, delta: float, learning_rate: float = 0.1,
+                        public_data=None, jit_compile: bool = False) -> dict:
+  """One private training run with the canaries `included` marks.
+
+  The run is a user's: `make_private(model)`, `tfdpx.keras.DPSGD` around
+  `privatizer`, Poisson batches with a secret sampling seed, a secret noise
+  key, `fit`. The optimizer divides by the public expected batch size
+  `q * (len(x) + num_canaries / 2)`, fixed before the canaries are drawn.
+
+  Returns:
+    A dict: `scores` (one per canary), `printed_epsilon` (the accountant's
+    epsilon at `delta` for the steps taken), `steps`.
+  """
+  records_x, records_y = canaries.records(x, y, included)
+  expected_batch_size = sampling_probability * (
+      len(y) + canaries.num_canaries / 2)
+  model = model_fn()
+  trained = tfdpx_keras.make_private(
+      canaries.model(model), release_training_metrics=False,
+      public_data=(None if public_data is None else
+                   canaries.public(*public_data)))
+  optimizer = tfdpx_keras.DPSGD(privatizer=privatizer,
+                                expected_batch_size=expected_batch_size,
+                                learning_rate=learning_rate)
+  trained.compile(optimizer, canaries.loss(), jit_compile=jit_compile)
+  batches = sampling.poisson_batches(
+      records_x, records_y, sampling_probability=sampling_probability,
+      steps=steps)
+  trained.fit(batches, epochs=1, verbose=0)
+  printed = accounting.epsilon_for_sampling(
+      optimizer, sampling='poisson', sampling_probability=sampling_probability,
+      delta=delta)
+  return {'scores': canaries.scores(trained, model),
+          'printed_epsilon': float(printed),
+          'steps': int(optimizer.dp_steps.numpy())}
+
+
+def one_run(privatizer: core.Privatizer,
+            model_fn: Callable[[], tf.keras.Model], x, y, *,
+            canaries: canaries_lib.Canaries, sampling_probability: float,
+            steps: int, delta: float, confidence: float = 0.95,
+            learning_rate: float = 0.1, public_data=None,
+            jit_compile: bool = False) -> dict:
+  """The one-run audit (Steinke, Nasr, Jagielski 2023) of one training run.
+
+  Each canary is included independently with probability 1/2 (a secret
+  draw); the run's canary scores give a lower bound on epsilon at
+  `confidence` (`bounds.one_run_audit`).
+
+  Args:
+    privatizer: the noise step, at the noise multiplier to audit.
+    model_fn: builds a fresh Keras model that outputs logits.
+    x, y: the training examples (not canaries) and integer labels.
+    canaries: `GradientCanaries` or `InputCanaries`.
+    sampling_probability, steps: Poisson sampling rate q and steps.
+    delta: the delta of the printed epsilon and of the bound.
+    confidence: of the lower bound.
+    learning_rate: SGD's.
+    public_data: `(x, y)` public examples, for GEP.
+    jit_compile: XLA.
+
+  Returns:
+    A dict: `epsilon_lower_bound`, `printed_epsilon`, `delta`, `confidence`,
+    `num_canaries`, `num_guesses`, `num_correct`, `steps`.
+  """
+  included = np.random.default_rng(sampling.secret_entropy()).random(
+      canaries.num_canaries) < 0.5
+  run = train_with_canaries(
+      privatizer, model_fn, x, y, canaries=canaries, included=included,
+      sampling_probability=sampling_probability, steps=steps, delta=delta,
+      learning_rate=learning_rate, public_data=public_data,
+      jit_compile=jit_compile)
+  found = bounds.one_run_audit(run['scores'], included, delta=delta,
+                               confidence=confidence)
+  return {**found, 'printed_epsilon': run['printed_epsilon'], 'delta': delta,
+          'confidence': confidence, 'num_canaries': canaries.num_canaries,
+          'steps': run['steps']}
+
+
+def two_run(privatizer: core.Privatizer,
+            model_fn: Callable[[], tf.keras.Model], x, y, *, trials: int,
+            sampling_probability: float, steps: int, delta: float,
+            confidence: float = 0.95, gradient_norm: float = 100.0,
+            learning_rate: float = 0.1, public_data=None,
+            jit_compile: bool = False) -> dict:
+  """The classic audit: `trials` runs with one gradient canary, as many
+  without, and `bounds.two_run_epsilon_lower_bound` on its scores.
+
+  Returns:
+    A dict: `epsilon_lower_bound`, `printed_epsilon`, `delta`, `confidence`,
+    `trials`, and the bound's threshold and rates.
+  """
+  canary = canaries_lib.GradientCanaries(1, gradient_norm)
+  scores = {True: [], False: []}
+  printed: Optional[float] = None
+  for _ in range(trials):
+    for inside in (True, False):
+      run = train_with_canaries(
+          privatizer, model_fn, x, y, canaries=canary,
+          included=np.array([inside]),
+          sampling_probability=sampling_probability, steps=steps,
+          delta=delta, learning_rate=learning_rate, public_data=public_data,
+          jit_compile=jit_compile)
+      scores[inside].append(run['scores'][0])
+      printed = run['printed_epsilon']
+  found = bounds.two_run_epsilon_lower_bound(
+      scores[True], scores[False], delta=delta, confidence=confidence)
+  return {**found, 'printed_epsilon': printed, 'delta': delta,
+          'confidence': confidence, 'trials': trials}

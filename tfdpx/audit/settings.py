@@ -1,0 +1,97 @@
+"""The audited configurations of docs/auditing.md: data, model, noise steps.
+
+scikit-learn's 1,797 digits (8x8, offline): 1,000 private training examples,
+200 public ones (GEP's anchor gradients); a 64-32-10 MLP; clip norm 1.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tfdpx import privatizers
+from tfdpx.audit import flaws
+
+L2_NORM_CLIP = 1.0
+TRAIN_EXAMPLES = 1000
+PUBLIC_EXAMPLES = 200
+
+
+def digits():
+  """`(x_train, y_train, public_data)` from scikit-learn's digits."""
+  from sklearn import datasets  # pylint: disable=g-import-not-at-top
+  x, y = datasets.load_digits(return_X_y=True)
+  x = (x / 16).astype(np.float32)
+  n, k = TRAIN_EXAMPLES, PUBLIC_EXAMPLES
+  return x[:n], y[:n], (x[n:n + k], y[n:n + k])
+
+
+def mlp(input_shape=(64,), num_classes=10) -> tf.keras.Model:
+  """The small audited model: one hidden layer of 32 ReLUs."""
+  return tf.keras.Sequential([
+      tf.keras.Input(input_shape),
+      tf.keras.layers.Dense(32, activation='relu'),
+      tf.keras.layers.Dense(num_classes)])
+
+
+def _gaussian(z, steps, expected_batch_size):
+  del steps, expected_batch_size
+  return privatizers.gaussian(L2_NORM_CLIP, z)
+
+
+def _dpdr(z, steps, expected_batch_size):
+  del expected_batch_size
+  # Decompose every step but the first (DP-SGD) one.
+  return privatizers.dpdr(L2_NORM_CLIP, z, decomposition_steps=steps)
+
+
+def _sparsified(z, steps, expected_batch_size):
+  del expected_batch_size
+  return privatizers.sparsified(privatizers.gaussian(L2_NORM_CLIP, z),
+                                final_sparsity=0.5, epochs=1,
+                                steps_per_epoch=steps)
+
+
+def _d2p2(z, steps, expected_batch_size):
+  del steps, expected_batch_size
+  return privatizers.d2p2(z)
+
+
+def _gep(z, steps, expected_batch_size):
+  del steps, expected_batch_size
+  return privatizers.gep(20, L2_NORM_CLIP, L2_NORM_CLIP / 5, z)
+
+
+def _geodp(z, steps, expected_batch_size):
+  del steps, expected_batch_size
+  return privatizers.geodp(L2_NORM_CLIP, z)
+
+
+def _adaptive(z, steps, expected_batch_size):
+  del steps
+  return privatizers.adaptive_clipping(
+      privatizers.gaussian(L2_NORM_CLIP, z),
+      expected_batch_size).with_noise_multiplier(z)
+
+
+def _per_layer(z, steps, expected_batch_size):
+  del steps, expected_batch_size
+  return privatizers.per_layer_clipping(
+      privatizers.gaussian(L2_NORM_CLIP, z), groups='variable')
+
+
+# Each builder takes (noise_multiplier, steps, expected_batch_size).
+PRIVATIZERS = {
+    'gaussian': _gaussian,
+    'dpdr': _dpdr,
+    'sparsified': _sparsified,
+    'd2p2': _d2p2,
+    'gep': _gep,
+    'geodp': _geodp,
+    'adaptive_clipping': _adaptive,
+    'per_layer_clipping': _per_layer,
+}
+
+
+def flawed(flaw: str, z, steps, expected_batch_size):
+  """DP-SGD with `flaw` (`flaws.FLAWS`), accounted as DP-SGD at `z`."""
+  del steps, expected_batch_size
+  return flaws.FlawedGaussian(L2_NORM_CLIP, z, flaw)
