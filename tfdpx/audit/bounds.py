@@ -40,9 +40,11 @@ def one_run_p_value(num_canaries: int, num_guesses: int, num_correct: int,
                      f'got {v}, {r}, {m}')
   accuracy = 1 / (1 + math.exp(-epsilon))  # eps-DP randomized response
   tail = stats.binom.sf(v - 1, r, accuracy)  # P[Binomial(r, p) >= v]
+  if delta == 0 or v == 0:
+    return min(1.0, tail)
   # The delta term: max over i of P[v - i <= Binomial(r, p) < v] / i.
   below = stats.binom.pmf(np.arange(v - 1, -1, -1), r, accuracy)
-  delta_weight = np.max(np.cumsum(below) / np.arange(1, v + 1)) if v else 0.0
+  delta_weight = np.max(np.cumsum(below) / np.arange(1, v + 1))
   return min(1.0, tail + 2 * m * delta * delta_weight)
 
 
@@ -116,11 +118,13 @@ def one_run_audit(scores: Sequence[float], included: Sequence[bool], *,
   return best
 
 
-def _rate_upper_bound(errors: int, trials: int, alpha: float) -> float:
-  """One-sided Clopper-Pearson upper bound on a rate, level `1 - alpha`."""
-  if errors >= trials:
-    return 1.0
-  return float(stats.beta.ppf(1 - alpha, errors + 1, trials - errors))
+def _rate_upper_bounds(errors: np.ndarray, trials: int,
+                       alpha: float) -> np.ndarray:
+  """One-sided Clopper-Pearson upper bounds on rates, level `1 - alpha`."""
+  errors = np.asarray(errors)
+  bound = stats.beta.ppf(1 - alpha, errors + 1,
+                         np.maximum(trials - errors, 1))
+  return np.where(errors >= trials, 1.0, bound)
 
 
 def two_run_epsilon_lower_bound(in_scores: Sequence[float],
@@ -128,7 +132,8 @@ def two_run_epsilon_lower_bound(in_scores: Sequence[float],
                                 confidence: float = 0.95) -> dict:
   """The classic bound from independent runs with and without a canary.
 
-  The threshold is chosen on the first half of each list of scores and the
+  The attack guesses "with" when the score is at least a threshold. The
+  threshold is chosen on the first half of each list of scores and the
   rates are bounded on the second half, so the choice costs no confidence.
   Both rates' bounds hold together at `confidence` (union bound).
 
@@ -142,16 +147,19 @@ def two_run_epsilon_lower_bound(in_scores: Sequence[float],
     raise ValueError('need at least 4 runs with and 4 without the canary')
   alpha = (1 - confidence) / 2
 
-  def bound(threshold, ins, outs):
-    fpr = _rate_upper_bound(int(np.sum(outs >= threshold)), len(outs), alpha)
-    fnr = _rate_upper_bound(int(np.sum(ins < threshold)), len(ins), alpha)
-    eps = max(0.0, math.log(max(1 - delta - fnr, 1e-300) / fpr))
-    return eps, fpr, fnr
+  def bounds_at(thresholds, ins, outs):
+    false_positives = len(outs) - np.searchsorted(outs, thresholds, 'left')
+    false_negatives = np.searchsorted(ins, thresholds, 'left')
+    fpr = _rate_upper_bounds(false_positives, len(outs), alpha)
+    fnr = _rate_upper_bounds(false_negatives, len(ins), alpha)
+    eps = np.log(np.maximum(1 - delta - fnr, 1e-300) / fpr)
+    return np.maximum(eps, 0.0), fpr, fnr
 
-  fit_in, test_in = np.array_split(ins, 2)
-  fit_out, test_out = np.array_split(outs, 2)
+  # Runs are independent: the halves in run order are independent too.
+  fit_in, test_in = (np.sort(h) for h in np.array_split(ins, 2))
+  fit_out, test_out = (np.sort(h) for h in np.array_split(outs, 2))
   candidates = np.unique(np.concatenate([fit_in, fit_out]))
-  threshold = max(candidates, key=lambda t: bound(t, fit_in, fit_out)[0])
-  eps, fpr, fnr = bound(threshold, test_in, test_out)
+  threshold = candidates[np.argmax(bounds_at(candidates, fit_in, fit_out)[0])]
+  eps, fpr, fnr = (float(v) for v in bounds_at(threshold, test_in, test_out))
   return {'epsilon_lower_bound': eps, 'threshold': float(threshold),
           'false_positive_rate': fpr, 'false_negative_rate': fnr}

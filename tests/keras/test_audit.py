@@ -1,0 +1,160 @@
+"""Audits through make_private + DPSGD: every noise step, a broken one, power."""
+
+import json
+
+import dp_accounting
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdpx import accounting
+from tfdpx import sampling
+from tfdpx.audit import __main__ as command
+from tfdpx.audit import canaries as canaries_lib
+from tfdpx.audit import flaws
+from tfdpx.audit import run
+from tfdpx.audit import settings
+
+DELTA = 1e-5
+Q = 0.5
+STEPS = 10
+
+
+@pytest.fixture(scope='module', name='digits')
+def _digits():
+  return settings.digits()
+
+
+def _audit(build, epsilon, digits, *, num_canaries=500, canaries=None):
+  x, y, public_data = digits
+  expected_batch_size = Q * (len(y) + num_canaries / 2)
+  z = accounting.calibrate_noise_multiplier(
+      epsilon, build(1.0, STEPS, expected_batch_size), steps=STEPS,
+      delta=DELTA, sampling_probability=Q)
+  return run.one_run(
+      build(z, STEPS, expected_batch_size), settings.mlp, x, y,
+      canaries=canaries or canaries_lib.GradientCanaries(num_canaries),
+      sampling_probability=Q, steps=STEPS, delta=DELTA,
+      public_data=public_data)
+
+
+@pytest.mark.parametrize('name', sorted(settings.PRIVATIZERS))
+def test_every_noise_steps_lower_bound_is_within_its_epsilon(name, digits):
+  found = _audit(settings.PRIVATIZERS[name], 4.0, digits)
+  assert found['printed_epsilon'] == pytest.approx(4.0, rel=1e-2)
+  assert found['epsilon_lower_bound'] <= found['printed_epsilon']
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('epsilon', [1.0, 16.0])
+@pytest.mark.parametrize('name', sorted(settings.PRIVATIZERS))
+def test_every_noise_steps_lower_bound_is_within_it_at_1_and_16(
+    name, epsilon, digits):
+  found = _audit(settings.PRIVATIZERS[name], epsilon, digits,
+                 num_canaries=1000)
+  assert found['epsilon_lower_bound'] <= found['printed_epsilon']
+
+
+@pytest.mark.parametrize('flaw', flaws.FLAWS)
+def test_the_audit_catches_a_broken_dp_sgd(flaw, digits):
+  found = _audit(lambda *a: settings.flawed(flaw, *a), 1.0, digits,
+                 num_canaries=1000)
+  assert found['printed_epsilon'] == pytest.approx(1.0, rel=1e-2)
+  assert found['epsilon_lower_bound'] > 2 * found['printed_epsilon']
+
+
+def test_white_box_audit_of_dp_sgd_has_power_at_epsilon_16(digits):
+  found = _audit(settings.PRIVATIZERS['gaussian'], 16.0, digits,
+                 num_canaries=1000)
+  assert found['epsilon_lower_bound'] >= 1.0
+
+
+def test_input_canaries_audit_through_the_users_model(digits):
+  # Random inputs, random labels, scored by their loss under the final model.
+  found = _audit(settings.PRIVATIZERS['gaussian'], 16.0, digits,
+                 canaries=canaries_lib.InputCanaries(200, (64,), 10))
+  assert 0 <= found['epsilon_lower_bound'] <= found['printed_epsilon']
+  assert found['num_canaries'] == 200
+
+
+def test_printed_epsilon_is_the_accountants(digits):
+  x, y, _ = digits
+  included = np.zeros(4, bool)
+  found = run.train_with_canaries(
+      settings.PRIVATIZERS['gaussian'](1.3, STEPS, None), settings.mlp, x, y,
+      canaries=canaries_lib.GradientCanaries(4), included=included,
+      sampling_probability=Q, steps=STEPS, delta=DELTA)
+  accountant = dp_accounting.rdp.RdpAccountant()
+  accountant.compose(dp_accounting.PoissonSampledDpEvent(
+      Q, dp_accounting.GaussianDpEvent(1.3)), STEPS)
+  assert found['steps'] == STEPS
+  assert found['printed_epsilon'] == pytest.approx(
+      accountant.get_epsilon(DELTA), rel=1e-6)
+
+
+def test_a_gradient_canary_is_a_dirac_record_and_examples_miss_the_table():
+  canaries = canaries_lib.GradientCanaries(5, gradient_norm=7.0)
+  model = canaries.model(settings.mlp())
+  x = np.random.default_rng(0).random((3, 64)).astype(np.float32)
+  (features, index), labels = canaries.records(
+      x, np.array([1, 2, 3]), np.array([False, True, False, True, False]))
+  loss = canaries.loss()
+  table_variable = model.get_layer(canaries_lib.CANARY_LAYER).embeddings
+  at_table = [v is table_variable for v in model.trainable_variables]
+  for row in range(len(labels)):
+    with tf.GradientTape() as tape:
+      value = loss(labels[row:row + 1],
+                   model([features[row:row + 1], index[row:row + 1]]))
+    grads = [tf.convert_to_tensor(g).numpy() for g in
+             tape.gradient(value, model.trainable_variables)]
+    table = grads[at_table.index(True)][:, 0]
+    others = [g for g, t in zip(grads, at_table) if not t]
+    if row < 3:  # An example: no gradient on the table, some elsewhere.
+      assert not np.any(table)
+      assert any(np.any(g) for g in others)
+    else:  # Canaries 1 and 3: -7 e_j on the table, nothing elsewhere.
+      expected = np.zeros(5)
+      expected[[1, 3][row - 3]] = -7.0
+      np.testing.assert_array_equal(table, expected)
+      assert not any(np.any(g) for g in others)
+
+
+def test_two_run_audit_runs_with_and_without_the_canary(digits):
+  x, y, _ = digits
+  found = run.two_run(settings.PRIVATIZERS['gaussian'](0.5, 3, None),
+                      settings.mlp, x[:200], y[:200], trials=4,
+                      sampling_probability=Q, steps=3, delta=DELTA)
+  assert found['trials'] == 4
+  assert 0 <= found['epsilon_lower_bound'] <= found['printed_epsilon']
+
+
+def test_the_command_writes_one_line_per_audit(tmp_path, capsys):
+  out = tmp_path / 'audit.jsonl'
+  argv = ['audit', '--privatizers=gaussian', '--epsilons=16',
+          '--flaws=no_noise', '--num_canaries=100', '--steps=3',
+          f'--out={out}']
+  command.FLAGS(argv)
+  try:
+    command.main(argv)
+  finally:
+    command.FLAGS.unparse_flags()
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [r['privatizer'] for r in rows] == ['gaussian',
+                                             'flawed_gaussian(no_noise)']
+  assert rows[0]['target_epsilon'] == 16 and rows[1]['target_epsilon'] == 1
+  assert '| gaussian | 16 |' in capsys.readouterr().out
+
+
+def test_poisson_batches_take_a_model_with_two_inputs():
+  x = (np.arange(10, dtype=np.float32)[:, None] + 1,
+       np.arange(10, dtype=np.int32)[:, None] + 1)
+  (first, second), labels, weight = next(iter(sampling.poisson_batches(
+      x, np.arange(10) + 1, sampling_probability=0.5, steps=1, seed=3)))
+  rows = weight.numpy() > 0
+  np.testing.assert_array_equal(first.numpy()[rows, 0],
+                                second.numpy()[rows, 0])
+  np.testing.assert_array_equal(labels.numpy()[rows], second.numpy()[rows, 0])
+  assert not np.any(first.numpy()[~rows])
+  with pytest.raises(ValueError, match='same number of examples'):
+    sampling.poisson_batches((x[0], x[1][:5]), np.arange(10),
+                             sampling_probability=0.5, steps=1)
