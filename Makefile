@@ -18,7 +18,7 @@ PY3 := $(VENV3)/bin/python
 STAMP3 := $(VENV3)/.tfdpx-installed
 
 .PHONY: venv venv-keras3 test test-keras2 test-keras3 test-all test-all-keras3 \
-  demo demo-keras3 bench bench-keras3 clean
+  demo demo-keras3 bench bench-keras3 audit audit-keras3 clean
 
 venv: $(STAMP)
 
@@ -68,6 +68,13 @@ bench: $(STAMP)
 
 bench-keras3: $(STAMP3)
 	$(PY3) -m benchmarks.speed $(BENCH_FLAGS)
+
+# AUDIT_FLAGS: e.g. --epsilons=16 --repetitions=3 (python -m tfdpx.audit).
+audit: $(STAMP)
+	$(PY) -m tfdpx.audit $(AUDIT_FLAGS)
+
+audit-keras3: $(STAMP3)
+	$(PY3) -m tfdpx.audit $(AUDIT_FLAGS)
 
 clean:
 	rm -rf $(VENV) $(VENV3) build *.egg-info

@@ -64,10 +64,11 @@ def calibrated(build, epsilon, expected_batch_size):
   return build(z, steps, expected_batch_size)
 
 
-def _report(row):
+def _report(row, rows):
+  rows.append(row)
   print(f"| {row['privatizer']} | {row['target_epsilon']:g} | "
         f"{row['printed_epsilon']:.2f} | {row['epsilon_lower_bound']:.2f} | "
-        f"{row.get('num_correct', '')}/{row.get('num_guesses', '')} | "
+        f"{row.get('num_correct', '-')}/{row.get('num_guesses', '-')} | "
         f"{row['seconds']:.0f} |", flush=True)
   if FLAGS.out:
     with open(FLAGS.out, 'a') as f:
@@ -95,6 +96,7 @@ def main(argv):
               FLAGS.flaw_epsilon) for flaw in FLAGS.flaws]
   print('| privatizer | target eps | printed eps | lower bound | '
         'correct/guesses | seconds |\n|---|---|---|---|---|---|')
+  rows = []
   for name, build, epsilon in audits:
     privatizer = calibrated(build, epsilon, expected_batch_size)
     for _ in range(FLAGS.repetitions):
@@ -104,7 +106,7 @@ def main(argv):
       _report({'privatizer': name, 'target_epsilon': epsilon,
                'audit': 'one_run', **found,
                'noise_multiplier': privatizer.noise_multiplier,
-               'seconds': time.time() - start, **_settings()})
+               'seconds': time.time() - start, **_settings()}, rows)
   if FLAGS.two_run_trials:
     for epsilon in map(float, FLAGS.epsilons):
       privatizer = calibrated(settings.PRIVATIZERS['gaussian'], epsilon,
@@ -117,7 +119,22 @@ def main(argv):
                'target_epsilon': epsilon, 'audit': 'two_run', **found,
                'noise_multiplier': privatizer.noise_multiplier,
                'seconds': time.time() - start,
-               **_settings(canaries='gradient', num_canaries=1)})
+               **_settings(canaries='gradient', num_canaries=1)}, rows)
+  _summary(rows)
+
+
+def _summary(rows):
+  """One line per setting: every run's lower bound, and the largest."""
+  print('\n| privatizer | printed eps | lower bounds | largest |\n'
+        '|---|---|---|---|')
+  settings_seen = {}
+  for row in rows:
+    settings_seen.setdefault((row['privatizer'], row['target_epsilon']),
+                             []).append(row)
+  for (name, _), runs in settings_seen.items():
+    found = [r['epsilon_lower_bound'] for r in runs]
+    print(f"| {name} | {runs[0]['printed_epsilon']:.2f} | "
+          f"{', '.join(f'{e:.2f}' for e in found)} | {max(found):.2f} |")
 
 
 if __name__ == '__main__':
