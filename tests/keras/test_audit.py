@@ -158,3 +158,12 @@ def test_poisson_batches_take_a_model_with_two_inputs():
   with pytest.raises(ValueError, match='same number of examples'):
     sampling.poisson_batches((x[0], x[1][:5]), np.arange(10),
                              sampling_probability=0.5, steps=1)
+
+
+def test_included_must_mark_every_canary(digits):
+  x, y, _ = digits
+  with pytest.raises(ValueError, match='included must mark each of the 4'):
+    run.train_with_canaries(
+        settings.PRIVATIZERS['gaussian'](1.0, 1, None), settings.mlp, x, y,
+        canaries=canaries_lib.GradientCanaries(4), included=np.ones(3, bool),
+        sampling_probability=Q, steps=1, delta=DELTA)

@@ -48,11 +48,12 @@ flags.DEFINE_integer('two_run_trials', 0,
 flags.DEFINE_string('out', None, 'Append one JSON line per audit here.')
 
 
-def _canaries():
+def _canaries(x, y):
   if FLAGS.canaries == 'gradient':
     return canaries_lib.GradientCanaries(FLAGS.num_canaries,
                                          FLAGS.canary_gradient_norm)
-  return canaries_lib.InputCanaries(FLAGS.num_canaries, (64,), 10)
+  return canaries_lib.InputCanaries(FLAGS.num_canaries, x.shape[1:],
+                                    int(y.max()) + 1)
 
 
 def calibrated(build, epsilon, expected_batch_size):
@@ -102,7 +103,7 @@ def main(argv):
     for _ in range(FLAGS.repetitions):
       start = time.time()
       found = run.one_run(privatizer, settings.mlp, x, y,
-                          canaries=_canaries(), **common)
+                          canaries=_canaries(x, y), **common)
       _report({'privatizer': name, 'target_epsilon': epsilon,
                'audit': 'one_run', **found,
                'noise_multiplier': privatizer.noise_multiplier,
@@ -127,11 +128,11 @@ def _summary(rows):
   """One line per setting: every run's lower bound, and the largest."""
   print('\n| privatizer | printed eps | lower bounds | largest |\n'
         '|---|---|---|---|')
-  settings_seen = {}
+  by_setting = {}
   for row in rows:
-    settings_seen.setdefault((row['privatizer'], row['target_epsilon']),
-                             []).append(row)
-  for (name, _), runs in settings_seen.items():
+    by_setting.setdefault((row['privatizer'], row['target_epsilon']),
+                          []).append(row)
+  for (name, _), runs in by_setting.items():
     found = [r['epsilon_lower_bound'] for r in runs]
     print(f"| {name} | {runs[0]['printed_epsilon']:.2f} | "
           f"{', '.join(f'{e:.2f}' for e in found)} | {max(found):.2f} |")

@@ -30,6 +30,11 @@ def train_with_canaries(privatizer: core.Privatizer,
     A dict: `scores` (one per canary), `printed_epsilon` (the accountant's
     epsilon at `delta` for the steps taken), `steps`.
   """
+  included = np.asarray(included, bool)
+  if included.shape != (canaries.num_canaries,):
+    raise ValueError(f'included must mark each of the '
+                     f'{canaries.num_canaries} canaries, got shape '
+                     f'{included.shape}')
   records_x, records_y = canaries.records(x, y, included)
   expected_batch_size = sampling_probability * (
       len(y) + canaries.num_canaries / 2)
