@@ -73,7 +73,8 @@ def one_run(privatizer: core.Privatizer,
 
   Args:
     privatizer: the noise step, at the noise multiplier to audit.
-    model_fn: builds a fresh Keras model that outputs logits.
+    model_fn: builds a fresh Keras model, with a known input shape, that
+      outputs logits.
     x, y: the training examples (not canaries) and integer labels.
     canaries: `GradientCanaries` or `InputCanaries`.
     sampling_probability, steps: Poisson sampling rate q and steps.
