@@ -130,19 +130,19 @@ def test_two_run_audit_runs_with_and_without_the_canary(digits):
 
 def test_the_command_writes_one_line_per_audit(tmp_path, capsys):
   out = tmp_path / 'audit.jsonl'
-  argv = ['audit', '--privatizers=gaussian', '--epsilons=16',
-          '--flaws=no_noise', '--num_canaries=100', '--steps=3',
-          f'--out={out}']
-  command.FLAGS(argv)
-  try:
-    command.main(argv)
-  finally:
-    command.FLAGS.unparse_flags()
+  command.main(['--privatizers=gaussian', '--epsilons=16', '--flaws=no_noise',
+                '--num_canaries=100', '--steps=3', f'--out={out}'])
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   assert [r['privatizer'] for r in rows] == ['gaussian',
                                              'flawed_gaussian(no_noise)']
   assert rows[0]['target_epsilon'] == 16 and rows[1]['target_epsilon'] == 1
   assert '| gaussian | 16 |' in capsys.readouterr().out
+
+
+def test_the_command_names_an_unknown_privatizer(capsys):
+  with pytest.raises(SystemExit):
+    command.main(['--privatizers=gaussian,dp_sgd'])
+  assert "--privatizers: unknown ['dp_sgd']" in capsys.readouterr().err
 
 
 def test_poisson_batches_take_a_model_with_two_inputs():

@@ -9,11 +9,10 @@ audit must catch, and `--two_run_trials` the classic bound for DP-SGD.
   python -m tfdpx.audit --epsilons=1,4,16 --out=audit.jsonl
 """
 
+import argparse
 import json
+import sys
 import time
-
-from absl import app
-from absl import flags
 
 from tfdpx import accounting
 from tfdpx.audit import canaries as canaries_lib
@@ -21,106 +20,126 @@ from tfdpx.audit import flaws
 from tfdpx.audit import run
 from tfdpx.audit import settings
 
-FLAGS = flags.FLAGS
-flags.DEFINE_list('privatizers', list(settings.PRIVATIZERS),
-                  'Noise steps to audit (tfdpx.audit.settings.PRIVATIZERS).')
-flags.DEFINE_list('epsilons', ['1', '4', '16'], 'Printed epsilons to audit.')
-flags.DEFINE_list('flaws', list(flaws.FLAWS),
-                  'Broken DP-SGD configurations to audit (may be empty).')
-flags.DEFINE_float('flaw_epsilon', 1.0,
-                   'The epsilon the broken configurations claim.')
-flags.DEFINE_enum('canaries', 'gradient', ['gradient', 'input'],
-                  'Dirac gradient canaries (white box) or random input '
-                  'canaries scored by their loss (black box).')
-flags.DEFINE_integer('num_canaries', 1000, 'Canaries per run.')
-flags.DEFINE_float('canary_gradient_norm', 100.0,
-                   'Gradient canaries: norm of each canary\'s gradient.')
-flags.DEFINE_float('sampling_probability', 0.5, 'Poisson sampling rate q.')
-flags.DEFINE_integer('steps', 20, 'Training steps per run.')
-flags.DEFINE_float('learning_rate', 0.1, 'SGD learning rate.')
-flags.DEFINE_float('delta', 1e-5, 'Delta of the printed epsilon and bound.')
-flags.DEFINE_float('confidence', 0.95, 'Confidence of each lower bound.')
-flags.DEFINE_integer('repetitions', 1, 'One-run audits per setting.')
-flags.DEFINE_integer('two_run_trials', 0,
-                     'If > 0, also the classic bound for DP-SGD at each '
-                     'epsilon, from this many runs with and as many without '
-                     'one gradient canary.')
-flags.DEFINE_string('out', None, 'Append one JSON line per audit here.')
+
+def _names(text):
+  return [name for name in text.split(',') if name]
 
 
-def _canaries(x, y):
-  if FLAGS.canaries == 'gradient':
-    return canaries_lib.GradientCanaries(FLAGS.num_canaries,
-                                         FLAGS.canary_gradient_norm)
-  return canaries_lib.InputCanaries(FLAGS.num_canaries, x.shape[1:],
+def _parser():
+  parser = argparse.ArgumentParser(
+      prog='python -m tfdpx.audit', description=__doc__.split('\n')[0])
+  add = parser.add_argument
+  add('--privatizers', type=_names, default=list(settings.PRIVATIZERS),
+      help='noise steps to audit, comma-separated (default: all of '
+      'tfdpx.audit.settings.PRIVATIZERS)')
+  add('--epsilons', type=lambda t: [float(e) for e in _names(t)],
+      default=[1.0, 4.0, 16.0], help='printed epsilons to audit')
+  add('--flaws', type=_names, default=list(flaws.FLAWS),
+      help='broken DP-SGD configurations to audit (may be empty)')
+  add('--flaw_epsilon', type=float, default=1.0,
+      help='the epsilon the broken configurations claim')
+  add('--canaries', choices=['gradient', 'input'], default='gradient',
+      help='Dirac gradient canaries (white box) or random input canaries '
+      'scored by their loss (black box)')
+  add('--num_canaries', type=int, default=1000, help='canaries per run')
+  add('--canary_gradient_norm', type=float, default=100.0,
+      help="gradient canaries: norm of each canary's gradient")
+  add('--sampling_probability', type=float, default=0.5,
+      help='Poisson sampling rate q')
+  add('--steps', type=int, default=20, help='training steps per run')
+  add('--learning_rate', type=float, default=0.1, help='SGD learning rate')
+  add('--delta', type=float, default=1e-5,
+      help='delta of the printed epsilon and of the bound')
+  add('--confidence', type=float, default=0.95,
+      help='confidence of each lower bound')
+  add('--repetitions', type=int, default=1, help='one-run audits per setting')
+  add('--two_run_trials', type=int, default=0,
+      help='if > 0, also the classic bound for DP-SGD at each epsilon, from '
+      'this many runs with and as many without one gradient canary')
+  add('--out', help='append one JSON line per audit to this file')
+  return parser
+
+
+def _canaries(args, x, y):
+  if args.canaries == 'gradient':
+    return canaries_lib.GradientCanaries(args.num_canaries,
+                                         args.canary_gradient_norm)
+  return canaries_lib.InputCanaries(args.num_canaries, x.shape[1:],
                                     int(y.max()) + 1)
 
 
-def calibrated(build, epsilon, expected_batch_size):
+def calibrated(args, build, epsilon, expected_batch_size):
   """`build`'s privatizer at the noise multiplier that prints `epsilon`."""
-  steps, q = FLAGS.steps, FLAGS.sampling_probability
+  steps, q = args.steps, args.sampling_probability
   z = accounting.calibrate_noise_multiplier(
       epsilon, build(1.0, steps, expected_batch_size), steps=steps,
-      delta=FLAGS.delta, sampling_probability=q)
+      delta=args.delta, sampling_probability=q)
   return build(z, steps, expected_batch_size)
 
 
-def _report(row, rows):
+def _report(args, row, rows):
   rows.append(row)
   print(f"| {row['privatizer']} | {row['target_epsilon']:g} | "
         f"{row['printed_epsilon']:.2f} | {row['epsilon_lower_bound']:.2f} | "
         f"{row.get('num_correct', '-')}/{row.get('num_guesses', '-')} | "
         f"{row['seconds']:.0f} |", flush=True)
-  if FLAGS.out:
-    with open(FLAGS.out, 'a') as f:
+  if args.out:
+    with open(args.out, 'a') as f:
       f.write(json.dumps(row) + '\n')
 
 
-def _settings(**extra):
-  return {'canaries': FLAGS.canaries, 'num_canaries': FLAGS.num_canaries,
-          'sampling_probability': FLAGS.sampling_probability,
-          'steps': FLAGS.steps, **extra}
+def _settings(args, **extra):
+  return {'canaries': args.canaries, 'num_canaries': args.num_canaries,
+          'sampling_probability': args.sampling_probability,
+          'steps': args.steps, **extra}
 
 
-def main(argv):
-  del argv
+def main(argv=None):
+  """Runs the audits `argv` (default: the command line) asks for."""
+  parser = _parser()
+  args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+  for flag, known in (('privatizers', settings.PRIVATIZERS),
+                      ('flaws', flaws.FLAWS)):
+    unknown = sorted(set(getattr(args, flag)) - set(known))
+    if unknown:
+      parser.error(f'--{flag}: unknown {unknown}; known: {sorted(known)}')
   x, y, public_data = settings.digits()
-  q = FLAGS.sampling_probability
-  expected_batch_size = q * (len(y) + FLAGS.num_canaries / 2)
-  common = dict(sampling_probability=q, steps=FLAGS.steps, delta=FLAGS.delta,
-                confidence=FLAGS.confidence,
-                learning_rate=FLAGS.learning_rate, public_data=public_data)
-  audits = [(name, settings.PRIVATIZERS[name], float(e))
-            for name in FLAGS.privatizers for e in FLAGS.epsilons]
+  q = args.sampling_probability
+  expected_batch_size = q * (len(y) + args.num_canaries / 2)
+  common = dict(sampling_probability=q, steps=args.steps, delta=args.delta,
+                confidence=args.confidence,
+                learning_rate=args.learning_rate, public_data=public_data)
+  audits = [(name, settings.PRIVATIZERS[name], e)
+            for name in args.privatizers for e in args.epsilons]
   audits += [(f'flawed_gaussian({flaw})',
               lambda *a, flaw=flaw: settings.flawed(flaw, *a),
-              FLAGS.flaw_epsilon) for flaw in FLAGS.flaws]
+              args.flaw_epsilon) for flaw in args.flaws]
   print('| privatizer | target eps | printed eps | lower bound | '
         'correct/guesses | seconds |\n|---|---|---|---|---|---|')
   rows = []
   for name, build, epsilon in audits:
-    privatizer = calibrated(build, epsilon, expected_batch_size)
-    for _ in range(FLAGS.repetitions):
+    privatizer = calibrated(args, build, epsilon, expected_batch_size)
+    for _ in range(args.repetitions):
       start = time.time()
       found = run.one_run(privatizer, settings.mlp, x, y,
-                          canaries=_canaries(x, y), **common)
-      _report({'privatizer': name, 'target_epsilon': epsilon,
+                          canaries=_canaries(args, x, y), **common)
+      _report(args, {'privatizer': name, 'target_epsilon': epsilon,
                'audit': 'one_run', **found,
                'noise_multiplier': privatizer.noise_multiplier,
-               'seconds': time.time() - start, **_settings()}, rows)
-  if FLAGS.two_run_trials:
-    for epsilon in map(float, FLAGS.epsilons):
-      privatizer = calibrated(settings.PRIVATIZERS['gaussian'], epsilon,
-                              expected_batch_size)
+               'seconds': time.time() - start, **_settings(args)}, rows)
+  if args.two_run_trials:
+    for epsilon in args.epsilons:
+      privatizer = calibrated(args, settings.PRIVATIZERS['gaussian'],
+                              epsilon, expected_batch_size)
       start = time.time()
       found = run.two_run(privatizer, settings.mlp, x, y,
-                          trials=FLAGS.two_run_trials,
-                          gradient_norm=FLAGS.canary_gradient_norm, **common)
-      _report({'privatizer': 'gaussian (two runs)',
+                          trials=args.two_run_trials,
+                          gradient_norm=args.canary_gradient_norm, **common)
+      _report(args, {'privatizer': 'gaussian (two runs)',
                'target_epsilon': epsilon, 'audit': 'two_run', **found,
                'noise_multiplier': privatizer.noise_multiplier,
                'seconds': time.time() - start,
-               **_settings(canaries='gradient', num_canaries=1)}, rows)
+               **_settings(args, canaries='gradient', num_canaries=1)}, rows)
   _summary(rows)
 
 
@@ -139,4 +158,4 @@ def _summary(rows):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  main()
