@@ -22,7 +22,7 @@ def test_the_pure_dp_p_value_is_the_binomial_tail(r, v, eps):
 
 
 def test_the_delta_term_is_the_theorems():
-  # Steinke et al. Thm 5.2: 2 m delta max_i P[v - i <= Bin(r, p) < v] / i.
+  # Steinke et al., approximate DP: 2 m delta max_i P[v - i <= Bin(r, p) < v] / i.
   m, r, v, eps, delta = 1000, 40, 35, 1.0, 1e-4
   p = 1 / (1 + math.exp(-eps))
   pmf = [math.comb(r, k) * p**k * (1 - p)**(r - k) for k in range(r + 1)]

@@ -7,7 +7,8 @@ rejected at a confidence level; the largest rejected eps is the lower bound.
   independently with probability 1/2; the attacker guesses in or out for r of
   them and abstains on the rest. Under (eps, delta)-DP the number of correct
   guesses is at most Binomial(r, e^eps / (1 + e^eps)) plus a term in delta
-  (their Theorem 5.2), whatever the canaries' dependence through training.
+  (their theorem for approximate DP), whatever the canaries' dependence
+  through training.
 * Two runs (classic: Jagielski et al. 2020, Nasr et al. 2021): independent
   trials with and without one canary, a threshold on the attacker's score,
   and Clopper-Pearson bounds on its false positive and false negative rates:
