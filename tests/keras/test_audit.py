@@ -26,7 +26,7 @@ def _digits():
 
 
 def _audit(build, epsilon, digits, *, num_canaries=500, canaries=None,
-           jit_compile=False):
+           jit_compile=False, physical_batch_size=None):
   x, y, public_data = digits
   expected_batch_size = Q * (len(y) + num_canaries / 2)
   z = accounting.calibrate_noise_multiplier(
@@ -36,7 +36,8 @@ def _audit(build, epsilon, digits, *, num_canaries=500, canaries=None,
       build(z, STEPS, expected_batch_size), settings.mlp, x, y,
       canaries=canaries or canaries_lib.GradientCanaries(num_canaries),
       sampling_probability=Q, steps=STEPS, delta=DELTA,
-      public_data=public_data, jit_compile=jit_compile)
+      public_data=public_data, jit_compile=jit_compile,
+      physical_batch_size=physical_batch_size)
 
 
 @pytest.mark.parametrize('name', sorted(settings.PRIVATIZERS))
@@ -70,6 +71,16 @@ def test_white_box_audit_of_dp_sgd_has_power_at_epsilon_16(jit_compile,
   found = _audit(settings.PRIVATIZERS['gaussian'], 16.0, digits,
                  num_canaries=1000, jit_compile=jit_compile)
   assert 1.0 <= found['epsilon_lower_bound'] <= found['printed_epsilon']
+
+
+def test_the_audit_runs_through_virtual_batches(digits):
+  # A logical batch of about 1,000 rows in physical batches of 128.
+  found = _audit(settings.PRIVATIZERS['gaussian'], 16.0, digits,
+                 num_canaries=1000, physical_batch_size=128)
+  assert 1.0 <= found['epsilon_lower_bound'] <= found['printed_epsilon']
+  broken = _audit(lambda *a: settings.flawed('no_noise', *a), 1.0, digits,
+                  num_canaries=1000, physical_batch_size=128)
+  assert broken['epsilon_lower_bound'] > 2 * broken['printed_epsilon']
 
 
 def test_input_canaries_audit_through_the_users_model(digits):

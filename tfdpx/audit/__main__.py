@@ -48,6 +48,8 @@ def _parser():
       help='Poisson sampling rate q')
   add('--steps', type=int, default=20, help='training steps per run')
   add('--learning_rate', type=float, default=0.1, help='SGD learning rate')
+  add('--physical_batch_size', type=int, default=None,
+      help='run each batch as virtual batches of this size')
   add('--delta', type=float, default=1e-5,
       help='delta of the printed epsilon and of the bound')
   add('--confidence', type=float, default=0.95,
@@ -108,7 +110,8 @@ def main(argv=None):
   expected_batch_size = q * (len(y) + args.num_canaries / 2)
   common = dict(sampling_probability=q, steps=args.steps, delta=args.delta,
                 confidence=args.confidence,
-                learning_rate=args.learning_rate, public_data=public_data)
+                learning_rate=args.learning_rate, public_data=public_data,
+                physical_batch_size=args.physical_batch_size)
   audits = [(name, settings.PRIVATIZERS[name], e)
             for name in args.privatizers for e in args.epsilons]
   audits += [(f'flawed_gaussian({flaw})',

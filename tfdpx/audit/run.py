@@ -18,13 +18,16 @@ def train_with_canaries(privatizer: core.Privatizer,
                         canaries: canaries_lib.Canaries,
                         included: np.ndarray, sampling_probability: float,
                         steps: int, delta: float, learning_rate: float = 0.1,
-                        public_data=None, jit_compile: bool = False) -> dict:
+                        public_data=None, jit_compile: bool = False,
+                        physical_batch_size: Optional[int] = None) -> dict:
   """One private training run with the canaries `included` marks.
 
   The run is a user's: `make_private(model)`, `tfdpx.keras.DPSGD` around
   `privatizer`, Poisson batches with a secret sampling seed, a secret noise
   key, `fit`. The optimizer divides by the public expected batch size
   `q * (len(x) + num_canaries / 2)`, fixed before the canaries are drawn.
+  `physical_batch_size` runs each batch as virtual batches of that size
+  (`make_private`).
 
   Returns:
     A dict: `scores` (one per canary), `printed_epsilon` (the accountant's
@@ -42,7 +45,8 @@ def train_with_canaries(privatizer: core.Privatizer,
   trained = tfdpx_keras.make_private(
       canaries.model(model), release_training_metrics=False,
       public_data=(None if public_data is None else
-                   canaries.public(*public_data)))
+                   canaries.public(*public_data)),
+      physical_batch_size=physical_batch_size)
   optimizer = tfdpx_keras.DPSGD(privatizer=privatizer,
                                 expected_batch_size=expected_batch_size,
                                 learning_rate=learning_rate)
@@ -64,7 +68,8 @@ def one_run(privatizer: core.Privatizer,
             canaries: canaries_lib.Canaries, sampling_probability: float,
             steps: int, delta: float, confidence: float = 0.95,
             learning_rate: float = 0.1, public_data=None,
-            jit_compile: bool = False) -> dict:
+            jit_compile: bool = False,
+            physical_batch_size: Optional[int] = None) -> dict:
   """The one-run audit (Steinke, Nasr, Jagielski 2023) of one training run.
 
   Each canary is included independently with probability 1/2 (a secret
@@ -83,6 +88,7 @@ def one_run(privatizer: core.Privatizer,
     learning_rate: SGD's.
     public_data: `(x, y)` public examples, for GEP.
     jit_compile: XLA.
+    physical_batch_size: virtual batches of this size.
 
   Returns:
     A dict: `epsilon_lower_bound`, `printed_epsilon`, `delta`, `confidence`,
@@ -94,7 +100,7 @@ def one_run(privatizer: core.Privatizer,
       privatizer, model_fn, x, y, canaries=canaries, included=included,
       sampling_probability=sampling_probability, steps=steps, delta=delta,
       learning_rate=learning_rate, public_data=public_data,
-      jit_compile=jit_compile)
+      jit_compile=jit_compile, physical_batch_size=physical_batch_size)
   found = bounds.one_run_audit(run['scores'], included, delta=delta,
                                confidence=confidence)
   return {**found, 'printed_epsilon': run['printed_epsilon'], 'delta': delta,
@@ -107,9 +113,13 @@ def two_run(privatizer: core.Privatizer,
             sampling_probability: float, steps: int, delta: float,
             confidence: float = 0.95, gradient_norm: float = 100.0,
             learning_rate: float = 0.1, public_data=None,
-            jit_compile: bool = False) -> dict:
+            jit_compile: bool = False,
+            physical_batch_size: Optional[int] = None) -> dict:
   """The classic audit: `trials` runs with one gradient canary, as many
   without, and `bounds.two_run_epsilon_lower_bound` on its scores.
+
+  Args: as in `one_run`; `gradient_norm` is the canary's
+  (`GradientCanaries`).
 
   Returns:
     A dict: `epsilon_lower_bound`, `printed_epsilon`, `delta`, `confidence`,
@@ -125,7 +135,7 @@ def two_run(privatizer: core.Privatizer,
           included=np.array([inside]),
           sampling_probability=sampling_probability, steps=steps,
           delta=delta, learning_rate=learning_rate, public_data=public_data,
-          jit_compile=jit_compile)
+          jit_compile=jit_compile, physical_batch_size=physical_batch_size)
       scores[inside].append(run['scores'][0])
       printed = run['printed_epsilon']
   found = bounds.two_run_epsilon_lower_bound(
