@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdpx import accounting
 from tfdpx import sampling
 from tfdpx.audit import __main__ as command
 from tfdpx.audit import canaries as canaries_lib
@@ -28,12 +27,11 @@ def _digits():
 def _audit(build, epsilon, digits, *, num_canaries=500, canaries=None,
            jit_compile=False, physical_batch_size=None):
   x, y, public_data = digits
-  expected_batch_size = Q * (len(y) + num_canaries / 2)
-  z = accounting.calibrate_noise_multiplier(
-      epsilon, build(1.0, STEPS, expected_batch_size), steps=STEPS,
-      delta=DELTA, sampling_probability=Q)
+  privatizer = settings.calibrated(
+      build, epsilon, steps=STEPS, delta=DELTA, sampling_probability=Q,
+      expected_batch_size=run.expected_batch_size(len(y), num_canaries, Q))
   return run.one_run(
-      build(z, STEPS, expected_batch_size), settings.mlp, x, y,
+      privatizer, settings.mlp, x, y,
       canaries=canaries or canaries_lib.GradientCanaries(num_canaries),
       sampling_probability=Q, steps=STEPS, delta=DELTA,
       public_data=public_data, jit_compile=jit_compile,

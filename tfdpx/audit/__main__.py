@@ -14,7 +14,6 @@ import json
 import sys
 import time
 
-from tfdpx import accounting
 from tfdpx.audit import canaries as canaries_lib
 from tfdpx.audit import flaws
 from tfdpx.audit import run
@@ -70,15 +69,6 @@ def _canaries(args, x, y):
                                     int(y.max()) + 1)
 
 
-def calibrated(args, build, epsilon, expected_batch_size):
-  """`build`'s privatizer at the noise multiplier that prints `epsilon`."""
-  steps, q = args.steps, args.sampling_probability
-  z = accounting.calibrate_noise_multiplier(
-      epsilon, build(1.0, steps, expected_batch_size), steps=steps,
-      delta=args.delta, sampling_probability=q)
-  return build(z, steps, expected_batch_size)
-
-
 def _report(args, row, rows):
   rows.append(row)
   print(f"| {row['privatizer']} | {row['target_epsilon']:g} | "
@@ -107,7 +97,13 @@ def main(argv=None):
       parser.error(f'--{flag}: unknown {unknown}; known: {sorted(known)}')
   x, y, public_data = settings.digits()
   q = args.sampling_probability
-  expected_batch_size = q * (len(y) + args.num_canaries / 2)
+  batch_size = run.expected_batch_size(len(y), args.num_canaries, q)
+
+  def calibrated(build, epsilon):
+    return settings.calibrated(
+        build, epsilon, steps=args.steps, delta=args.delta,
+        sampling_probability=q, expected_batch_size=batch_size)
+
   common = dict(sampling_probability=q, steps=args.steps, delta=args.delta,
                 confidence=args.confidence,
                 learning_rate=args.learning_rate, public_data=public_data,
@@ -121,7 +117,7 @@ def main(argv=None):
         'correct/guesses | seconds |\n|---|---|---|---|---|---|')
   rows = []
   for name, build, epsilon in audits:
-    privatizer = calibrated(args, build, epsilon, expected_batch_size)
+    privatizer = calibrated(build, epsilon)
     for _ in range(args.repetitions):
       start = time.time()
       found = run.one_run(privatizer, settings.mlp, x, y,
@@ -132,8 +128,7 @@ def main(argv=None):
                'seconds': time.time() - start, **_settings(args)}, rows)
   if args.two_run_trials:
     for epsilon in args.epsilons:
-      privatizer = calibrated(args, settings.PRIVATIZERS['gaussian'],
-                              epsilon, expected_batch_size)
+      privatizer = calibrated(settings.PRIVATIZERS['gaussian'], epsilon)
       start = time.time()
       found = run.two_run(privatizer, settings.mlp, x, y,
                           trials=args.two_run_trials,

@@ -13,6 +13,14 @@ from tfdpx.audit import bounds
 from tfdpx.audit import canaries as canaries_lib
 
 
+def expected_batch_size(num_examples: int, num_canaries: int,
+                        sampling_probability: float) -> float:
+  """The public denominator `q * (num_examples + num_canaries / 2)`: the
+  expected batch size, fixed before the canaries are drawn (a count of the
+  canaries actually included would reveal how many are in)."""
+  return sampling_probability * (num_examples + num_canaries / 2)
+
+
 def train_with_canaries(privatizer: core.Privatizer,
                         model_fn: Callable[[], tf.keras.Model], x, y, *,
                         canaries: canaries_lib.Canaries,
@@ -24,8 +32,7 @@ def train_with_canaries(privatizer: core.Privatizer,
 
   The run is a user's: `make_private(model)`, `tfdpx.keras.DPSGD` around
   `privatizer`, Poisson batches with a secret sampling seed, a secret noise
-  key, `fit`. The optimizer divides by the public expected batch size
-  `q * (len(x) + num_canaries / 2)`, fixed before the canaries are drawn.
+  key, `fit`. The optimizer divides by `expected_batch_size`.
   `physical_batch_size` runs each batch as virtual batches of that size
   (`make_private`).
 
@@ -39,8 +46,6 @@ def train_with_canaries(privatizer: core.Privatizer,
                      f'{canaries.num_canaries} canaries, got shape '
                      f'{included.shape}')
   records_x, records_y = canaries.records(x, y, included)
-  expected_batch_size = sampling_probability * (
-      len(y) + canaries.num_canaries / 2)
   model = model_fn()
   trained = tfdpx_keras.make_private(
       canaries.model(model), release_training_metrics=False,
@@ -48,7 +53,9 @@ def train_with_canaries(privatizer: core.Privatizer,
                    canaries.public(*public_data)),
       physical_batch_size=physical_batch_size)
   optimizer = tfdpx_keras.DPSGD(privatizer=privatizer,
-                                expected_batch_size=expected_batch_size,
+                                expected_batch_size=expected_batch_size(
+                                    len(y), canaries.num_canaries,
+                                    sampling_probability),
                                 learning_rate=learning_rate)
   trained.compile(optimizer, canaries.loss(), jit_compile=jit_compile)
   batches = sampling.poisson_batches(

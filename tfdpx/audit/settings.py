@@ -7,6 +7,7 @@ scikit-learn's 1,797 digits (8x8, offline): 1,000 private training examples,
 import numpy as np
 import tensorflow as tf
 
+from tfdpx import accounting
 from tfdpx import privatizers
 from tfdpx.audit import flaws
 
@@ -95,3 +96,13 @@ def flawed(flaw: str, z, steps, expected_batch_size):
   """DP-SGD with `flaw` (`flaws.FLAWS`), accounted as DP-SGD at `z`."""
   del steps, expected_batch_size
   return flaws.FlawedGaussian(L2_NORM_CLIP, z, flaw)
+
+
+def calibrated(build, target_epsilon: float, *, steps: int, delta: float,
+               sampling_probability: float, expected_batch_size: float):
+  """`build`'s privatizer at the noise multiplier that prints
+  `target_epsilon` (RDP, Poisson sampling)."""
+  z = accounting.calibrate_noise_multiplier(
+      target_epsilon, build(1.0, steps, expected_batch_size), steps=steps,
+      delta=delta, sampling_probability=sampling_probability)
+  return build(z, steps, expected_batch_size)
