@@ -46,6 +46,8 @@ class RuleCall(NamedTuple):
     tap_grad: the gradient of the summed loss with respect to `tap`.
     tape: the persistent tape of the forward pass.
     chunk_size: examples per chunk where per-example gradients are formed.
+    expected_batch_size: the batch size to plan forms for where the static
+      one is unknown, or None.
   """
   layer: tf.keras.layers.Layer
   inputs: tf.Tensor
@@ -53,6 +55,7 @@ class RuleCall(NamedTuple):
   tap_grad: tf.Tensor
   tape: tf.GradientTape
   chunk_size: int
+  expected_batch_size: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +102,8 @@ class LayerRule:
                        v.dtype) for v in variables]
 
     return materialized_forms.MaterializedUnit(
-        variables, grads_of, [call.inputs, call.tap_grad], call.chunk_size)
+        variables, grads_of, [call.inputs, call.tap_grad], call.chunk_size,
+        expected_batch_size=call.expected_batch_size)
 
 
 _RULES: Dict[type, LayerRule] = {}
@@ -149,8 +153,15 @@ def _dense_forward(layer, inputs):
 
 
 def _sequence_rows(tensor: tf.Tensor) -> tf.Tensor:
-  """`[B, ..., n]` as `[B, T, n]`: a Dense layer acts on each position."""
-  return tf.reshape(tensor, [tf.shape(tensor)[0], -1, tensor.shape[-1]])
+  """`[B, ..., n]` as `[B, T, n]`: a Dense layer acts on each position.
+
+  `T` stays static when the batch size is not (`tf.data ... .batch(B)`,
+  Keras's numpy adapter): the forms are chosen from it (`tfdpx.forms.dense`).
+  """
+  rows = tf.reshape(tensor, [tf.shape(tensor)[0], -1, tensor.shape[-1]])
+  rows.set_shape([tensor.shape[0], tensor.shape[1:-1].num_elements(),
+                  tensor.shape[-1]])
+  return rows
 
 
 def _dense_unit(call: RuleCall) -> unit_lib.Unit:
@@ -231,13 +242,15 @@ def _conv_patches(layer, inputs):
   `patches_i^T D_i` reshaped to the kernel's shape. A depthwise convolution
   with one-hot kernels extracts them (each output channel is one tap of one
   input channel): as exact as `tf.image.extract_patches` and up to 3 times
-  faster on CPU.
+  faster on CPU. TensorFlow's own depthwise kernel (CPU without oneDNN, GPU)
+  refuses unequal strides, so those take `tf.image.extract_patches`.
   """
   padding = 'SAME' if layer.padding == 'same' else 'VALID'
-  if layer.rank == 1:  # A 1-D convolution is a 2-D one of height 1.
+  if layer.rank == 1:  # A 1-D convolution is a 2-D one of height 1,
     inputs = inputs[:, tf.newaxis]
     size = [1, layer.kernel_size[0]]
-    strides = [1, 1, layer.strides[0], 1]
+    # whose one output row any stride along the height keeps: equal strides.
+    strides = [1, layer.strides[0], layer.strides[0], 1]
     dilations = [1, layer.dilation_rate[0]]
   else:
     size = list(layer.kernel_size)
@@ -245,15 +258,22 @@ def _conv_patches(layer, inputs):
     dilations = list(layer.dilation_rate)
   taps = size[0] * size[1]
   channels = inputs.shape[-1]
-  one_hot = tf.reshape(tf.eye(taps, dtype=inputs.dtype), [*size, 1, taps])
-  patches = tf.nn.depthwise_conv2d(
-      inputs, tf.tile(one_hot, [1, 1, channels, 1]), strides=strides,
-      padding=padding, dilations=dilations)  # [B, H, W, channels * taps]
-  shape = tf.shape(patches)
-  patches = tf.reshape(patches, tf.concat([shape[:3], [channels, taps]], 0))
-  # Kernel order: taps (row-major), then channels.
-  patches = tf.transpose(patches, [0, 1, 2, 4, 3])
-  return tf.reshape(patches, [shape[0], -1, taps * channels])
+  if strides[1] == strides[2]:
+    one_hot = tf.reshape(tf.eye(taps, dtype=inputs.dtype), [*size, 1, taps])
+    patches = tf.nn.depthwise_conv2d(
+        inputs, tf.tile(one_hot, [1, 1, channels, 1]), strides=strides,
+        padding=padding, dilations=dilations)  # [B, H, W, channels * taps]
+    shape = tf.shape(patches)
+    patches = tf.reshape(patches,
+                         tf.concat([shape[:3], [channels, taps]], 0))
+    # Kernel order: taps (row-major), then channels.
+    patches = tf.transpose(patches, [0, 1, 2, 4, 3])
+  else:  # Already in kernel order: [B, H, W, taps * channels].
+    patches = tf.image.extract_patches(
+        inputs, sizes=[1, *size, 1], strides=strides,
+        rates=[1, *dilations, 1], padding=padding)
+  return _sequence_rows(tf.reshape(
+      patches, tf.concat([tf.shape(patches)[:3], [taps * channels]], 0)))
 
 
 def half_precision(dtype) -> bool:
