@@ -11,24 +11,32 @@ import tensorflow as tf
 
 
 def _split(elems: Sequence[tf.Tensor], chunk_size: int):
-  """`elems` as `[num_chunks, chunk_size, ...]`, padded by repeating rows.
+  """`elems` as `[num_chunks, c, ...]`, padded by repeating rows.
 
-  Every chunk is a valid batch and shapes stay static under XLA; `valid`
-  (`[num_chunks, chunk_size]` bool) marks the real rows.
+  `c` is `chunk_size`, or the batch size if smaller: a batch whose size is
+  known only at run time (`tf.data ... .batch(B)`) that fits one chunk is
+  one chunk of itself, as a static one is (`_fits_one_chunk`), not padded to
+  `chunk_size`. Every chunk is a valid batch and shapes stay static under
+  XLA; `valid` (`[num_chunks, c]` bool) marks the real rows.
   """
   batch = tf.shape(elems[0])[0]
-  num_chunks = (batch + chunk_size - 1) // chunk_size
-  position = tf.range(num_chunks * chunk_size)
+  static_batch = elems[0].shape[0]
+  if static_batch is None:  # At least 1: a Poisson batch may be empty.
+    size = tf.maximum(tf.minimum(batch, chunk_size), 1)
+  else:
+    size = min(static_batch, chunk_size)
+  num_chunks = (batch + size - 1) // size
+  position = tf.range(num_chunks * size)
   index = position % batch
 
   def split(tensor):
-    shape = tf.concat([tf.stack([num_chunks, chunk_size]),
+    shape = tf.concat([tf.stack([num_chunks, size]),
                        tf.shape(tensor)[1:]], axis=0)
     chunks = tf.reshape(tf.gather(tensor, index), shape)
-    chunks.set_shape([None, chunk_size, *tensor.shape[1:]])
+    chunks.set_shape([None, tf.get_static_value(size), *tensor.shape[1:]])
     return chunks
 
-  valid = tf.reshape(position < batch, [num_chunks, chunk_size])
+  valid = tf.reshape(position < batch, [num_chunks, size])
   return [split(e) for e in elems], valid, batch
 
 
@@ -67,7 +75,8 @@ def map_rows(fn: Callable[[List[tf.Tensor]], List[tf.Tensor]],
   if _fits_one_chunk(elems, chunk_size):
     return list(fn(elems))
   chunks, _, batch = _split(elems, chunk_size)
-  specs = [tf.TensorSpec([chunk_size, *s.shape], s.dtype) for s in signature]
+  size = chunks[0].shape[1]
+  specs = [tf.TensorSpec([size, *s.shape], s.dtype) for s in signature]
   outputs = _one_at_a_time(lambda chunk: list(fn(chunk)), chunks, specs)
   return [tf.reshape(o, [-1, *s.shape])[:batch]
           for o, s in zip(outputs, signature)]

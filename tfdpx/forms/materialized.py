@@ -36,7 +36,8 @@ class MaterializedUnit(unit.Unit):
   def __init__(self, variables: Sequence[tf.Variable], grads_of: GradsOf,
                elems: Sequence[tf.Tensor], chunk_size: int,
                weighted_sum: Optional[Callable] = None,
-               cache_bytes: int = CACHE_BYTES):
+               cache_bytes: int = CACHE_BYTES,
+               expected_batch_size: Optional[int] = None):
     """Args:
       variables: the variables the unit gives shares of.
       grads_of: maps a chunk of `elems` (`[c, ...]` each) to its per-example
@@ -47,7 +48,10 @@ class MaterializedUnit(unit.Unit):
       weighted_sum: optional cheaper exact `weighted_sum(weights, keep)`
         (e.g. a weighted backward pass through the recorded call).
       cache_bytes: keep the whole batch's gradients if they take at most this
-        many bytes (static batch size only).
+        many bytes.
+      expected_batch_size: the batch size this decision plans for where the
+        static one is unknown (`tf.data ... .batch(B)`): the same choice as
+        for a static batch of that size. None: not kept.
     """
     super().__init__(variables)
     self._grads_of = grads_of
@@ -55,6 +59,8 @@ class MaterializedUnit(unit.Unit):
     self._chunk_size = chunk_size
     self._weighted_sum = weighted_sum
     batch = self._elems[0].shape[0] if self._elems else None
+    if batch is None:
+      batch = expected_batch_size
     size = sum(np.prod(v.shape, dtype=np.int64) * tf.as_dtype(v.dtype).size
                for v in self.variables)
     self._cache = chunk_size is None or (batch is not None and

@@ -238,6 +238,11 @@ class DPOptimizerMixin:
     return self._expected_batch_size
 
   @property
+  def expected_batch_size(self) -> Optional[float]:
+    """The expected number of records (examples, or users) per batch."""
+    return self._expected_batch_size
+
+  @property
   def noise_seed_is_known(self) -> bool:
     """True if the noise key was passed in (`noise_seed`): not private."""
     return self._noise_seed is not None

@@ -11,6 +11,7 @@ tensorflow-privacy's DP model arguments (`l2_norm_clip`, `noise_multiplier`,
 (docs/migration.md). See docs/per_example.md.
 """
 
+import math
 import numbers
 from typing import Any, Optional, Tuple
 
@@ -240,13 +241,21 @@ class _PrivateTraining(keras_version.ModelHooks):
 
   def _gradients(self, x, y, sample_weight, var_list
                 ) -> per_example.GradientResult:
-    """The engine's pass over one (physical) batch."""
+    """The engine's pass over one (physical) batch.
+
+    A batch of unknown static size plans its forms for the optimizer's
+    expected batch size (physical batches are static).
+    """
+    expected = self.optimizer.expected_batch_size
+    if expected is not None and self._dp_examples_per_user is not None:
+      expected *= self._dp_examples_per_user  # A slot of rows per user.
     return recorder.model_gradients(
         self, x,
         lambda outputs: keras_version.per_example_loss(self, y, outputs,
                                                        sample_weight),
         var_list, self._dp_chunk_size, self._dp_use_layer_rules,
-        self._loss_scale())
+        self._loss_scale(),
+        None if expected is None else int(math.ceil(expected)))
 
   def _loss_scale(self) -> float:
     """The fixed loss scale: `loss_scale`, or by default

@@ -413,7 +413,8 @@ def _recorded_grads(call: _FallbackCall, output_grads,
 
 
 def _fallback_unit(call: _FallbackCall, output_grads, chunk_size,
-                   draws_random_numbers, loss_scale=1.0) -> unit_lib.Unit:
+                   draws_random_numbers, loss_scale=1.0,
+                   expected_batch_size=None) -> unit_lib.Unit:
   """The unit of a layer call without a rule.
 
   Its output gradients stay in the layer's dtype and scale (the per-example
@@ -433,7 +434,7 @@ def _fallback_unit(call: _FallbackCall, output_grads, chunk_size,
   example_grads = _example_grads(call)
   unit = materialized_forms.MaterializedUnit(
       call.variables, lambda chunk: unscaled(example_grads(chunk)), elems,
-      chunk_size)
+      chunk_size, expected_batch_size=expected_batch_size)
   if any(layer_rules.half_precision(g.dtype) for g in output_grads):
     # A backward pass would sum in 16 bits what the norms saw per example:
     # the sum comes from the per-example gradients themselves.
@@ -461,7 +462,9 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
                     var_list: Sequence[tf.Variable],
                     chunk_size: int = 128,
                     use_rules: bool = True,
-                    loss_scale: float = 1.0) -> per_example.GradientResult:
+                    loss_scale: float = 1.0,
+                    expected_batch_size: Optional[int] = None
+                   ) -> per_example.GradientResult:
   """The per-example gradients of a Keras model, from one batched pass.
 
   Each example's gradient is the gradient of its loss through the very
@@ -485,6 +488,10 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
       constant (float16 layers: small gradients would underflow), and every
       per-example gradient is divided by it again in float32 before any
       statistic; 1 (the default) for float32 and bfloat16.
+    expected_batch_size: where the batch size is known only at run time
+      (`tf.data ... .batch(B)`, Keras's numpy adapter), the forms are chosen
+      as for a static batch of this size (e.g. whether a unit keeps its
+      per-example gradients for the step); None: as for a large batch.
 
   Returns:
     A `per_example.GradientResult` whose `grads` answer per-example
@@ -551,11 +558,12 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
       rule.make_unit(layer_rules.RuleCall(
           layer, _float32(layer_inputs), tap,
           _float32(tap_grad) / loss_scale if loss_scale != 1 else
-          _float32(tap_grad), tape, chunk_size))
+          _float32(tap_grad), tape, chunk_size, expected_batch_size))
       for (layer, rule, layer_inputs, tap), tap_grad in zip(
           recorder.rule_calls, grads[0])
   ] + [
-      _fallback_unit(call, out_grads, chunk_size, draws, loss_scale)
+      _fallback_unit(call, out_grads, chunk_size, draws, loss_scale,
+                     expected_batch_size)
       for call, out_grads, draws in zip(recorder.fallback_calls, grads[1],
                                         random)
   ]
