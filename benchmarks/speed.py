@@ -1,26 +1,45 @@
 """Step time and peak memory of private training, as a ratio to plain Keras.
 
-`make bench` (`python -m benchmarks.speed`) measures, for each model and
-batch size, the seconds per training step of a plain Keras `fit` (the
-non-private baseline) and of each private configuration of the same model on
-the same data: tfdpx's `make_private` with every privatizer (without and,
-for `--xla_models`, with `jit_compile`) and, for Sequential models,
-tensorflow-privacy's `DPSequential`. The protocol:
+`make bench` (`python -m benchmarks.speed`) measures, for each model, batch
+size and input pipeline, the seconds per training step of a plain Keras
+`fit` (the non-private baseline) and of each private configuration of the
+same model on the same input pipeline: tfdpx's `make_private` with every
+privatizer (without and, for `--xla_models`, with `jit_compile`) and, for
+Sequential models, tensorflow-privacy's `DPSequential`.
+
+The input pipelines (`--pipeline`) are those users write:
+
+- `numpy`: `fit(x, y, batch_size=B)` (Keras's array adapter);
+- `tfdata`: `tf.data.Dataset.from_tensor_slices((x, y)).batch(B)`, whose
+  batch dimension is unknown (`None`) when `fit` traces the step;
+- `tfdata_drop`: the same with `drop_remainder=True` (a static batch);
+- `poisson`: `tfdpx.sampling.poisson_batches` at `q = B / n` (padded to one
+  static shape, with sample weights).
+
+The non-private baseline is the fastest plain Keras set-up of the model: on
+Keras 2 the faster of `tf.keras.optimizers.SGD` and `legacy.SGD` (the new
+optimizer's sparse Embedding update is up to 2 times slower), on Keras 3
+`SGD`. The protocol:
 
 - every configuration is built and warmed up by one whole `fit` call first
   (tracing and compilation are not timed);
 - then `--repetitions` rounds, each timing one whole `fit` call of
   `--steps` steps per configuration, round-robin, so that load on the machine
-  hits every configuration alike; no callbacks, `verbose=0`, the same
-  pre-made batches for every configuration (see `batches`);
+  hits every configuration alike; no callbacks, `verbose=0`, the same data
+  and pipeline for every configuration (see `pipeline_feed`);
 - a configuration's figure is its fastest round divided by the number of
-  steps, and its ratio is that over the non-private figure of the same model
-  and batch from the same run.
+  steps, and its ratio is that over the baseline of the same model, batch
+  and pipeline from the same run.
+
+Every results file starts with the machine it ran on (`machine_record`):
+figures from different machines are never compared.
 
 Peak memory (`--memory`) is the maximum resident set (VmHWM) of a fresh
 process that trains one configuration for a few steps at batch 1024.
 """
 
+import os
+import platform
 import subprocess
 import sys
 import time
@@ -30,8 +49,11 @@ from absl import flags
 import numpy as np
 import tensorflow as tf
 
+from benchmarks.models import data
+from benchmarks.models import MODELS
 import tfdpx
 from tfdpx import privatizers
+from tfdpx import sampling
 from tfdpx.keras.stack import KERAS_3
 
 # pylint: disable=g-import-not-at-top
@@ -44,6 +66,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list('models', ['cnn', 'mlp', 'text', 'transformer', 'cifar_cnn'],
                   'Models to time.')
 flags.DEFINE_list('batches', ['256'], 'Batch sizes.')
+PIPELINES = ('numpy', 'tfdata', 'tfdata_drop', 'poisson')
+flags.DEFINE_list('pipeline', ['tfdata', 'poisson'],
+                  f'Input pipelines, of {", ".join(PIPELINES)}.')
 flags.DEFINE_integer('steps', 8, 'Steps per timed fit call.')
 flags.DEFINE_integer('repetitions', 5, 'Timed rounds; the fastest counts.')
 flags.DEFINE_list('privatizers', None,
@@ -64,11 +89,10 @@ flags.DEFINE_string(
     'privatizer of --privatizers at batch `physical`, at batch `logical` '
     'whole, and at `logical` in physical batches of `physical`.')
 flags.DEFINE_string('memory_probe', None,
-                    'Internal: "model,batch,config": train a few steps in '
-                    'this process and print its peak resident set in MiB.')
+                    'Internal: "model,batch,config,pipeline": train a few '
+                    'steps in this process and print its peak resident set '
+                    'in MiB.')
 
-L = tf.keras.layers
-VOCAB, TOKENS = 20000, 128
 NUM_PUBLIC = 256  # GEP's public examples, whose gradients every step forms.
 
 # Clip norm 1 and noise multiplier 1 for all (D2P2: automatic clipping, its
@@ -86,103 +110,6 @@ PRIVATIZERS = {
 }
 
 
-# --- models --------------------------------------------------------------------
-
-
-def tutorial_cnn():
-  """tensorflow-privacy's MNIST tutorial CNN (26k parameters)."""
-  return tf.keras.Sequential([
-      tf.keras.Input((28, 28, 1)),
-      L.Conv2D(16, 8, strides=2, padding='same', activation='relu'),
-      L.MaxPool2D(2, 1),
-      L.Conv2D(32, 4, strides=2, padding='valid', activation='relu'),
-      L.MaxPool2D(2, 1),
-      L.Flatten(),
-      L.Dense(32, activation='relu'),
-      L.Dense(10),
-  ])
-
-
-def mlp():
-  """784-128-128-10 (118k parameters)."""
-  return tf.keras.Sequential([
-      tf.keras.Input((784,)),
-      L.Dense(128, activation='relu'),
-      L.Dense(128, activation='relu'),
-      L.Dense(10),
-  ])
-
-
-def text():
-  """Embedding(20000, 64) over 128 tokens, pooled, two Dense (1.3M)."""
-  return tf.keras.Sequential([
-      tf.keras.Input((TOKENS,), dtype='int32'),
-      L.Embedding(VOCAB, 64),
-      L.GlobalAveragePooling1D(),
-      L.Dense(64, activation='relu'),
-      L.Dense(2),
-  ])
-
-
-class _Positions(L.Layer):
-  """Adds a learned embedding of each position to the token embeddings."""
-
-  def build(self, input_shape):
-    self.positions = L.Embedding(input_shape[1], input_shape[2])
-    super().build(input_shape)
-
-  def call(self, inputs):
-    return inputs + self.positions(tf.range(tf.shape(inputs)[1]))
-
-
-def transformer():
-  """One transformer block over 128 tokens (Embedding(20000, 64))."""
-  tokens = tf.keras.Input((TOKENS,), dtype='int32')
-  x = _Positions()(L.Embedding(VOCAB, 64)(tokens))
-  x = L.LayerNormalization()(x + L.MultiHeadAttention(4, 16)(x, x))
-  feed_forward = L.Dense(64)(L.Dense(128, activation='relu')(x))
-  x = L.LayerNormalization()(x + feed_forward)
-  return tf.keras.Model(tokens, L.Dense(2)(L.GlobalAveragePooling1D()(x)))
-
-
-def cifar_cnn():
-  """A CIFAR-10 CNN: four 3x3 convolutions, two Dense (0.36M parameters)."""
-  return tf.keras.Sequential([
-      tf.keras.Input((32, 32, 3)),
-      L.Conv2D(32, 3, padding='same', activation='relu'),
-      L.Conv2D(32, 3, activation='relu'),
-      L.MaxPool2D(),
-      L.Conv2D(64, 3, padding='same', activation='relu'),
-      L.Conv2D(64, 3, activation='relu'),
-      L.MaxPool2D(),
-      L.Flatten(),
-      L.Dense(128, activation='relu'),
-      L.Dense(10),
-  ])
-
-
-# name -> (builder, one random input batch of n rows, number of classes).
-MODELS = {
-    'cnn': (tutorial_cnn,
-            lambda rng, n: rng.uniform(size=(n, 28, 28, 1)), 10),
-    'mlp': (mlp, lambda rng, n: rng.uniform(size=(n, 784)), 10),
-    'text': (text, lambda rng, n: rng.integers(0, VOCAB, (n, TOKENS)), 2),
-    'transformer': (transformer,
-                    lambda rng, n: rng.integers(0, VOCAB, (n, TOKENS)), 2),
-    'cifar_cnn': (cifar_cnn,
-                  lambda rng, n: rng.uniform(size=(n, 32, 32, 3)), 10),
-}
-
-
-def data(model_name, rows, seed=0):
-  """Random inputs and labels: speed does not depend on the values."""
-  _, inputs, classes = MODELS[model_name]
-  rng = np.random.default_rng(seed)
-  x = inputs(rng, rows)
-  x = x.astype('int32' if x.dtype.kind == 'i' else 'float32')
-  return x, rng.integers(0, classes, size=(rows,))
-
-
 # --- configurations ------------------------------------------------------------
 
 
@@ -191,8 +118,13 @@ def _loss(reduction='none'):
                                                        reduction=reduction)
 
 
+# Plain Keras set-ups; the baseline is the fastest of them.
+BASELINES = ('non-private',) if KERAS_3 else ('non-private',
+                                              'non-private legacy')
+
+
 def configs(model_name):
-  names = ['non-private']
+  names = list(BASELINES)
   for name in FLAGS.privatizers or PRIVATIZERS:
     names.append(f'tfdpx {name}')
     if model_name in FLAGS.xla_models:
@@ -205,9 +137,11 @@ def configs(model_name):
 def build(model_name, batch, config):
   """The compiled model of one configuration."""
   make = MODELS[model_name][0]
-  if config == 'non-private':
+  if config in BASELINES:
     model = make()
-    model.compile(tf.keras.optimizers.SGD(0.1), _loss('sum_over_batch_size'))
+    sgd = (tf.keras.optimizers.legacy.SGD if config.endswith('legacy') else
+           tf.keras.optimizers.SGD)
+    model.compile(sgd(0.1), _loss('sum_over_batch_size'))
   elif config == 'tf-privacy DPSequential':
     model = dp_keras_model.DPSequential(
         l2_norm_clip=1.0, noise_multiplier=1.0,
@@ -231,61 +165,99 @@ def build(model_name, batch, config):
   return model
 
 
-def batches(model_name, batch, steps):
-  """`steps` batches of random data, the same input for every configuration.
+def _without_autotuning(dataset):
+  """tf.data's autotuning off.
 
-  The batches are made up front and tf.data's autotuning is off. With it on,
-  the iterator that ends each `fit` call sometimes waits for the autotuning
-  thread's next timed wake-up (its period doubles from 10 ms) instead of being
-  woken at once: the call then ends at a fixed time, e.g. 5.1 s after it
-  started, whatever the steps cost. This was the "slow mode" of earlier runs
-  (about 645 ms per step for 8 steps of any configuration that took 2.6 to
-  5.1 s); it is not part of a training step.
+  With it on, the iterator that ends each `fit` call sometimes waits for the
+  autotuning thread's next timed wake-up (its period doubles from 10 ms)
+  instead of being woken at once: the call then ends at a fixed time, e.g.
+  5.1 s after it started, whatever the steps cost. This was the "slow mode"
+  of earlier runs (about 645 ms per step for 8 steps of any configuration
+  that took 2.6 to 5.1 s); it is not part of a training step.
   """
-  x, y = data(model_name, batch * steps)
-  dataset = tf.data.Dataset.from_tensor_slices(
-      (x.reshape((steps, batch) + x.shape[1:]), y.reshape((steps, batch))))
   options = tf.data.Options()
   options.autotune.enabled = False
   return dataset.prefetch(2).with_options(options)
 
 
-def _fit_seconds(model, dataset):
+def pipeline_feed(model_name, batch, steps, pipeline, seed=0):
+  """The `fit` arguments of `steps` batches of `batch` through `pipeline`.
+
+  Every configuration of a model, batch and pipeline gets the same feed:
+  the same examples (random: speed does not depend on the values).
+  """
+  x, y = data(model_name, batch * steps, seed)
+  if pipeline == 'numpy':
+    return dict(x=x, y=y, batch_size=batch)
+  if pipeline in ('tfdata', 'tfdata_drop'):
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(
+        batch, drop_remainder=pipeline == 'tfdata_drop')
+  elif pipeline == 'poisson':
+    dataset = sampling.poisson_batches(x, y, sampling_probability=1 / steps,
+                                       steps=steps, seed=seed)
+  else:
+    raise ValueError(f'unknown pipeline {pipeline!r}, not one of {PIPELINES}')
+  return dict(x=_without_autotuning(dataset))
+
+
+def _fit_seconds(model, feed):
   start = time.perf_counter()
-  model.fit(dataset, epochs=1, verbose=0)
+  model.fit(**feed, epochs=1, verbose=0)
   return time.perf_counter() - start
 
 
-def time_model(model_name, batch):
+def time_model(model_name, batch, pipeline):
   """{config: seconds per step}, interleaved round-robin in this process."""
-  dataset = batches(model_name, batch, FLAGS.steps)
+  feed = pipeline_feed(model_name, batch, FLAGS.steps, pipeline)
   models = {}
   for config in configs(model_name):
     models[config] = build(model_name, batch, config)
-    _fit_seconds(models[config], dataset)  # Traces and compiles.
+    _fit_seconds(models[config], feed)  # Traces and compiles.
   best = {config: float('inf') for config in models}
   for _ in range(FLAGS.repetitions):
     for config, model in models.items():
-      best[config] = min(best[config], _fit_seconds(model, dataset))
+      best[config] = min(best[config], _fit_seconds(model, feed))
   return {config: seconds / FLAGS.steps for config, seconds in best.items()}
+
+
+def machine_record() -> str:
+  """The machine and software a results file comes from."""
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open('/proc/cpuinfo') as info:
+      cpu = next(line.split(':', 1)[1].strip() for line in info
+                 if line.startswith('model name'))
+  except (OSError, StopIteration):
+    pass
+  # pylint: disable=g-import-not-at-top
+  import keras
+  from tensorflow.python.util import _pywrap_util_port
+  # pylint: enable=g-import-not-at-top
+  # What TensorFlow decided at start-up: the variable, else its CPU check.
+  onednn = 'on' if _pywrap_util_port.IsMklEnabled() else 'off'
+  return (f'Machine: {cpu}, {os.cpu_count()} cores, oneDNN {onednn} '
+          f'(TF_ENABLE_ONEDNN_OPTS={os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset")}), '
+          f'Python {platform.python_version()}, TensorFlow {tf.__version__}, '
+          f'Keras {keras.__version__}, numpy {np.__version__}')
 
 
 # --- memory --------------------------------------------------------------------
 
 
-def peak_rss_mib(model_name, batch, config):
+def peak_rss_mib(model_name, batch, config, pipeline):
   """Peak resident set of a fresh process training `config`, in MiB."""
   result = subprocess.run(
       [sys.executable, '-m', 'benchmarks.speed',
-       f'--memory_probe={model_name},{batch},{config}'],
+       f'--memory_probe={model_name},{batch},{config},{pipeline}'],
       capture_output=True, text=True, check=True)
   return float(result.stdout.strip().splitlines()[-1])
 
 
 def _probe():
-  model_name, batch, config = FLAGS.memory_probe.split(',')
+  model_name, batch, config, pipeline = FLAGS.memory_probe.split(',')
   batch = int(batch)
-  _fit_seconds(build(model_name, batch, config), batches(model_name, batch, 3))
+  _fit_seconds(build(model_name, batch, config),
+               pipeline_feed(model_name, batch, 3, pipeline))
   # VmHWM: this process image's own high-water mark.
   with open('/proc/self/status') as status:
     kib = next(int(line.split()[1]) for line in status
@@ -296,13 +268,16 @@ def _probe():
 def virtual_batch_rows(model_name, logical, physical):
   """Table rows of `--virtual_batches`: peak memory and ms per example."""
   rows = []
+  pipeline = FLAGS.pipeline[0]
   for name in FLAGS.privatizers or PRIVATIZERS:
     runs = [(physical, f'tfdpx {name}'), (logical, f'tfdpx {name}'),
             (logical, f'tfdpx {name} physical={physical}')]
-    mib = [peak_rss_mib(model_name, batch, config) for batch, config in runs]
+    mib = [peak_rss_mib(model_name, batch, config, pipeline)
+           for batch, config in runs]
     # Timed interleaved in this process, as `time_model`.
     models = [build(model_name, batch, config) for batch, config in runs]
-    datasets = [batches(model_name, batch, FLAGS.steps) for batch, _ in runs]
+    datasets = [pipeline_feed(model_name, batch, FLAGS.steps, pipeline)
+                for batch, _ in runs]
     for model, dataset in zip(models, datasets):
       _fit_seconds(model, dataset)
     best = [float('inf')] * len(runs)
@@ -333,8 +308,10 @@ def main(argv):
   if FLAGS.virtual_batches:
     model_name, logical, physical = FLAGS.virtual_batches.split(',')
     emit(f'# tfdpx virtual batches, {time.strftime("%Y-%m-%d %H:%M UTC")}, '
-         f'TensorFlow {tf.__version__}, steps {FLAGS.steps}, repetitions '
+         f'pipeline {FLAGS.pipeline[0]}, steps {FLAGS.steps}, repetitions '
          f'{FLAGS.repetitions}')
+    emit()
+    emit(machine_record())
     emit()
     emit('| model | batch | configuration | peak MiB | x first row | '
          'ms/example | x first row |')
@@ -350,31 +327,43 @@ def main(argv):
 
 def speed_and_memory_tables(emit):
   """The tables of `make bench`."""
+  for pipeline in FLAGS.pipeline:
+    if pipeline not in PIPELINES:
+      raise app.UsageError(f'--pipeline: unknown {pipeline!r}, not one of '
+                           f'{", ".join(PIPELINES)}')
   emit(f'# tfdpx speed benchmark, {time.strftime("%Y-%m-%d %H:%M UTC")}, '
-       f'TensorFlow {tf.__version__}, Keras {tf.keras.version() if KERAS_3 else 2}, '
        f'steps {FLAGS.steps}, repetitions {FLAGS.repetitions}')
   emit()
-  emit('| model | batch | configuration | ms/step | x non-private |')
-  emit('|---|---:|---|---:|---:|')
+  emit(machine_record())
+  emit()
+  emit('Ratios are to the fastest non-private row of the same model, batch '
+       'and pipeline.')
+  emit()
+  emit('| model | batch | pipeline | configuration | ms/step | '
+       'x non-private |')
+  emit('|---|---:|---|---|---:|---:|')
   for model_name in FLAGS.models:
     for batch in map(int, FLAGS.batches):
-      seconds = time_model(model_name, batch)
-      baseline = seconds['non-private']
-      for config, value in seconds.items():
-        emit(f'| {model_name} | {batch} | {config} | {1000 * value:.1f} | '
-             f'{value / baseline:.1f} |')
-      tf.keras.backend.clear_session()
+      for pipeline in FLAGS.pipeline:
+        seconds = time_model(model_name, batch, pipeline)
+        baseline = min(seconds[config] for config in BASELINES)
+        for config, value in seconds.items():
+          emit(f'| {model_name} | {batch} | {pipeline} | {config} | '
+               f'{1000 * value:.1f} | {value / baseline:.1f} |')
+        tf.keras.backend.clear_session()
   if FLAGS.memory:
+    pipeline = FLAGS.pipeline[0]
     emit()
-    emit('| model | configuration | peak MiB, batch 1024 | x non-private |')
+    emit(f'| model | configuration | peak MiB, batch 1024, {pipeline} | '
+         'x non-private |')
     emit('|---|---|---:|---:|')
     for model_name in FLAGS.memory_models:
       baseline = None
       for config in configs(model_name):
         if config.endswith(' xla'):
           continue
-        mib = peak_rss_mib(model_name, 1024, config)
-        baseline = baseline or mib
+        mib = peak_rss_mib(model_name, 1024, config, pipeline)
+        baseline = min(baseline or mib, mib) if config in BASELINES else baseline
         emit(f'| {model_name} | {config} | {mib:.0f} | {mib / baseline:.2f} |')
 
 
