@@ -30,11 +30,11 @@ def _model():
   image = tf.keras.Input((6, 6, 3))
   ids = tf.keras.Input((6,), dtype='int32')
   s = L.Dense(8, activation='tanh')(sequence)  # Dense over positions.
-  s = L.Conv1D(4, 3)(s)
+  s = L.Conv1D(4, 3, strides=2)(s)  # TF's depthwise kernel: equal strides.
   s = L.LayerNormalization()(s)
   s = L.Dense(4)(L.GlobalAveragePooling1D()(s))  # Dense on vectors.
   t = L.Flatten()(L.Dense(16)(short))  # Few positions: the ghost form.
-  i = L.Conv2D(4, 3, activation='relu')(image)
+  i = L.Conv2D(4, 3, strides=(2, 1), activation='relu')(image)  # Patches.
   i = L.GroupNormalization(2)(i)
   i = L.Flatten()(i)
   e = L.Embedding(3, 4)(ids)  # Three ids over six positions: repeats.

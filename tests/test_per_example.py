@@ -120,6 +120,11 @@ MODELS = {
         L.Conv1D(4, 3, strides=2, padding='same', activation='relu'),
         L.Conv1D(2, 2, padding='causal', dilation_rate=2),
         L.Conv1D(2, 2, padding='valid', use_bias=False)]), _floats(9, 3)),
+    # Strides > 1: TensorFlow's own depthwise kernel (no oneDNN, GPU) takes
+    # a Conv1D's patches only with equal strides.
+    'conv1d_strided': (lambda: tf.keras.Sequential([
+        tf.keras.Input((11, 3)), L.Conv1D(4, 3, strides=2, padding='same'),
+        L.Conv1D(2, 2, strides=3, padding='valid')]), _floats(11, 3)),
     # Few positions, many channels: the ghost (Gram) form of a convolution.
     'conv2d_ghost': (lambda: tf.keras.Sequential([
         tf.keras.Input((4, 4, 8)), L.Conv2D(16, 3), L.Flatten(),
@@ -224,21 +229,30 @@ def _check_row_statistics(grads, expected, rng, close):
 
 
 class _InGraph:
-  """A `PerExampleGradients` whose statistics run in one `tf.function`."""
+  """A `PerExampleGradients` whose statistics run in one `tf.function`.
 
-  def __init__(self, model, x, loss, **kwargs):
+  With `unknown_batch`, traced with batch dimension None, as `fit` traces
+  `tf.data ... .batch(B)`.
+  """
+
+  def __init__(self, model, x, loss, unknown_batch=False, **kwargs):
     self._args = model, x, loss, kwargs
+    self._unknown_batch = unknown_batch
 
   def __getattr__(self, name):
     model, x, loss, kwargs = self._args
 
-    @tf.function  # As in training; the fallback's loops run as graphs.
     def statistic(x, *args):
       grads = recorder.model_gradients(
           model, x, loss, model.trainable_variables, **kwargs).grads
       return getattr(grads, name)(*args)
 
-    return lambda *args: statistic(x, *args)
+    if not self._unknown_batch:  # As in training: the loops run as graphs.
+      return lambda *args: tf.function(statistic)(x, *args)
+    spec = tf.nest.map_structure(
+        lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), x)
+    return lambda *args: tf.function(
+        lambda x: statistic(x, *args), input_signature=[spec])(x)
 
 
 def _slow_mixed(names, slow=('mixed',)):
@@ -269,14 +283,26 @@ def _problem(name):
   return model, x, y, rng
 
 
-def _check_against_the_loop(name, **kwargs):
+def _check_against_the_loop(name, unknown_batch=False, chunk_size=2,
+                            **kwargs):
   """Every statistic of model `name`'s engine against single-example tapes."""
   model, x, y, _ = _problem(name)
   expected = _loop_reference(model, x, y)
-  # Chunks of 2 examples: 3 chunks, the last one padded.
+  # Chunks of 2 examples by default: 3 chunks, the last one padded.
   grads = _InGraph(model, x, lambda outputs: _squared_error(y, outputs),
-                   chunk_size=2, **kwargs)
+                   unknown_batch, chunk_size=chunk_size, **kwargs)
   _check_statistics(grads, expected)
+
+
+@pytest.mark.parametrize('chunk_size', [2, 128], ids=['chunks', 'one_chunk'])
+@pytest.mark.parametrize('name', ['dense', 'dense_on_sequences',
+                                  'conv1d_strided', 'conv2d', 'embedding',
+                                  'layer_norm', 'lstm'])
+def test_statistics_with_an_unknown_batch_size_equal_the_loop(name,
+                                                              chunk_size):
+  # `fit` traces `tf.data ... .batch(B)` and numpy input with batch
+  # dimension None: the forms see fewer static shapes, not other values.
+  _check_against_the_loop(name, unknown_batch=True, chunk_size=chunk_size)
 
 
 @pytest.mark.parametrize('name', sorted(MODELS))

@@ -1,0 +1,60 @@
+"""The traced training step of a benchmark model made private, as a graph.
+
+Shared by the pipeline test (the forms chosen with a static and an unknown
+batch size) and the GPU-readiness test (every op has a GPU kernel).
+"""
+
+import tensorflow as tf
+
+import tfdpx
+from benchmarks import models
+from tests.privatizers.cases import CASES
+
+# The noise steps, and the wrappers that add ops of their own.
+PRIVATIZERS = ('gaussian', 'dpdr', 'sparsified(gaussian)', 'd2p2_srht_mode_o',
+               'gep', 'geodp_sound', 'adaptive(gaussian)',
+               'per_layer(gaussian)')
+NUM_PUBLIC = 16
+
+
+def _case(name):
+  return next(c for c in CASES if c.name == name)
+
+
+def private_model(model_name: str, privatizer: str, expected_batch_size: int,
+                  jit_compile: bool = False) -> tf.keras.Model:
+  """Benchmark model `model_name` made private and compiled with `privatizer`
+  (a name of `tests.privatizers.cases.CASES`), noise multiplier 1, clip 1."""
+  tf.keras.utils.set_random_seed(0)
+  case = _case(privatizer)
+  public = (models.data(model_name, NUM_PUBLIC, seed=1)
+            if case.needs_public else None)
+  model = tfdpx.keras.make_private(models.MODELS[model_name][0](),
+                                   public_data=public)
+  model.compile(
+      tfdpx.keras.DPSGD(privatizer=case.make(1.0, 1.0),
+                        expected_batch_size=expected_batch_size,
+                        learning_rate=0.1),
+      tf.keras.losses.SparseCategoricalCrossentropy(
+          from_logits=True, reduction='none'),
+      jit_compile=jit_compile)
+  return model
+
+
+def batch_spec(model_name: str, batch):
+  """`(x, y)` TensorSpecs of a batch of `batch` rows (None: unknown)."""
+  x, y = models.data(model_name, 1)
+  return (tf.TensorSpec([batch, *x.shape[1:]], tf.as_dtype(x.dtype)),
+          tf.TensorSpec([batch], tf.as_dtype(y.dtype)))
+
+
+def built(model: tf.keras.Model, model_name: str) -> tf.keras.Model:
+  """`model` with its variables and optimizer built by one step on 2 rows."""
+  x, y = models.data(model_name, 2)
+  model.train_on_batch(x, y)
+  return model
+
+
+def train_step_graph(model: tf.keras.Model, spec) -> tf.Graph:
+  """The graph of `model.train_step` traced for batches of `spec`."""
+  return tf.function(model.train_step).get_concrete_function(spec).graph
