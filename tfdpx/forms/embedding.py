@@ -72,9 +72,11 @@ class EmbeddingUnit(unit.Unit):
     segment = tf.cumsum(tf.cast(first, tf.int32)) - 1
     slots = tf.size(keys)
     self._pairs = tf.reduce_sum(tf.cast(first, tf.int32))
-    pair = tf.gather(
-        tf.math.unsorted_segment_max(keys, segment, slots),
-        tf.minimum(tf.range(slots), self._pairs - 1))
+    # Each segment's key, read at its first position (an int32 segment
+    # minimum: int64 segment reductions have no GPU kernel).
+    start = tf.math.unsorted_segment_min(tf.range(slots), segment, slots)
+    pair = tf.gather(keys, tf.gather(
+        start, tf.minimum(tf.range(slots), self._pairs - 1)))
     self._example = tf.cast(pair % batch64, tf.int32)
     self._id = tf.cast(pair // batch64, tf.int32)
     self._rows = sorted_segment_sum(
