@@ -17,8 +17,8 @@ VENV3 := .venv-keras3
 PY3 := $(VENV3)/bin/python
 STAMP3 := $(VENV3)/.tfdpx-installed
 
-.PHONY: venv venv-keras3 test test-keras2 test-keras3 test-all test-all-keras3 \
-  demo demo-keras3 bench bench-keras3 audit audit-keras3 clean
+.PHONY: venv venv-keras3 test test-keras2 test-onednn-off test-keras3 test-all \
+  test-all-keras3 demo demo-keras3 bench bench-keras3 audit audit-keras3 clean
 
 venv: $(STAMP)
 
@@ -40,12 +40,23 @@ $(STAMP3): constraints-keras3.txt setup.cfg pyproject.toml
 # Both suites; Stack B is skipped, with the reason, only where Python 3.12
 # is missing. Two test processes each (pytest-xdist): the suites are mostly
 # single-threaded Python and graph tracing, and CI has two cores.
-test: test-keras2
+test: test-keras2 test-onednn-off
 	@if [ -n "$(PYTHON_KERAS3)" ]; then $(MAKE) --no-print-directory test-keras3; \
 	else echo "SKIPPED the Keras 3 suite (Stack B): no Python 3.12 found (set PYTHON_KERAS3)"; fi
 
 test-keras2: $(STAMP)
 	$(PY) -m pytest -m "not slow" -q -n 2
+
+# The engine, layer-rule and convolution-training tests again on TensorFlow's
+# own CPU kernels, as on CPUs where TensorFlow leaves oneDNN off (AMD, AVX2
+# only): some refuse what oneDNN's accept (a depthwise convolution's unequal
+# strides). Stack A; the full suites run with the machine's default.
+ONEDNN_OFF_TESTS := tests/test_per_example.py tests/test_engine_equivalence.py \
+  tests/keras/test_pipelines.py::test_strided_convolutions_train_from_a_dataset_of_unknown_batch_size \
+  tests/keras/test_models.py
+
+test-onednn-off: $(STAMP)
+	TF_ENABLE_ONEDNN_OPTS=0 $(PY) -m pytest -m "not slow" -q -n 2 $(ONEDNN_OFF_TESTS)
 
 test-keras3: $(STAMP3)
 	$(PY3) -m pytest -m "not slow" -q -n 2
@@ -62,7 +73,8 @@ demo: $(STAMP)
 demo-keras3: $(STAMP3)
 	$(PY3) -m examples.demo
 
-# BENCH_FLAGS: e.g. --models=cnn,mlp --memory_models=cnn (benchmarks/speed.py).
+# BENCH_FLAGS: e.g. --models=cnn,mlp --pipeline=tfdata,tfdata_drop
+# --memory_models=cnn (benchmarks/speed.py; default pipelines tfdata, poisson).
 bench: $(STAMP)
 	$(PY) -m benchmarks.speed $(BENCH_FLAGS)
 

@@ -63,10 +63,13 @@ def ops_without_gpu_kernels(graph: tf.Graph):
 
 
 def _slow_cases():
-  """The transformer's steps (10-30 s each) in `make test-all`, but DP-SGD's."""
+  """The transformer's steps (10-30 s each) but DP-SGD's, and the wrappers'
+  but on the CNN, in `make test-all`."""
   for model_name in MODELS:
     for privatizer in traced_steps.PRIVATIZERS:
-      slow = model_name == 'transformer' and privatizer != 'gaussian'
+      wrapper = privatizer.startswith(('adaptive', 'per_layer'))
+      slow = ((model_name == 'transformer' and privatizer != 'gaussian') or
+              (wrapper and model_name != 'cnn'))
       yield pytest.param(model_name, privatizer,
                          marks=[pytest.mark.slow] if slow else [])
 
