@@ -21,10 +21,10 @@ def _split(elems: Sequence[tf.Tensor], chunk_size: int):
   """
   batch = tf.shape(elems[0])[0]
   static_batch = elems[0].shape[0]
-  if static_batch is None:  # At least 1: a Poisson batch may be empty.
-    size = tf.maximum(tf.minimum(batch, chunk_size), 1)
-  else:
-    size = min(static_batch, chunk_size)
+  static_size = None if static_batch is None else min(static_batch,
+                                                      chunk_size)
+  # At least 1: a Poisson batch may be empty.
+  size = static_size or tf.maximum(tf.minimum(batch, chunk_size), 1)
   num_chunks = (batch + size - 1) // size
   position = tf.range(num_chunks * size)
   index = position % batch
@@ -33,7 +33,7 @@ def _split(elems: Sequence[tf.Tensor], chunk_size: int):
     shape = tf.concat([tf.stack([num_chunks, size]),
                        tf.shape(tensor)[1:]], axis=0)
     chunks = tf.reshape(tf.gather(tensor, index), shape)
-    chunks.set_shape([None, tf.get_static_value(size), *tensor.shape[1:]])
+    chunks.set_shape([None, static_size, *tensor.shape[1:]])
     return chunks
 
   valid = tf.reshape(position < batch, [num_chunks, size])
