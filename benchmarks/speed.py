@@ -24,8 +24,9 @@ optimizer's sparse Embedding update is up to 2 times slower), on Keras 3
 - every configuration is built and warmed up by one whole `fit` call first
   (tracing and compilation are not timed);
 - then `--repetitions` rounds, each timing one whole `fit` call of
-  `--steps` steps per configuration, round-robin, so that load on the machine
-  hits every configuration alike; no callbacks, `verbose=0`, the same data
+  `--steps` steps per configuration and pipeline, round-robin over all the
+  pipelines of the model, so that load on the machine hits every
+  configuration and pipeline alike; no callbacks, `verbose=0`, the same data
   and pipeline for every configuration (see `pipeline_feed`);
 - a configuration's figure is its fastest round divided by the number of
   steps, and its ratio is that over the baseline of the same model, batch
@@ -206,18 +207,20 @@ def _fit_seconds(model, feed):
   return time.perf_counter() - start
 
 
-def time_model(model_name, batch, pipeline):
-  """{config: seconds per step}, interleaved round-robin in this process."""
-  feed = pipeline_feed(model_name, batch, FLAGS.steps, pipeline)
-  models = {}
-  for config in configs(model_name):
-    models[config] = build(model_name, batch, config)
-    _fit_seconds(models[config], feed)  # Traces and compiles.
-  best = {config: float('inf') for config in models}
+def time_model(model_name, batch, pipelines):
+  """{(pipeline, config): seconds per step}, interleaved round-robin over
+  every pipeline and configuration in this process."""
+  runs = {}
+  for pipeline in pipelines:
+    feed = pipeline_feed(model_name, batch, FLAGS.steps, pipeline)
+    for config in configs(model_name):
+      runs[pipeline, config] = (build(model_name, batch, config), feed)
+      _fit_seconds(*runs[pipeline, config])  # Traces and compiles.
+  best = {run: float('inf') for run in runs}
   for _ in range(FLAGS.repetitions):
-    for config, model in models.items():
-      best[config] = min(best[config], _fit_seconds(model, feed))
-  return {config: seconds / FLAGS.steps for config, seconds in best.items()}
+    for run, (model, feed) in runs.items():
+      best[run] = min(best[run], _fit_seconds(model, feed))
+  return {run: seconds / FLAGS.steps for run, seconds in best.items()}
 
 
 def machine_record() -> str:
@@ -344,13 +347,14 @@ def speed_and_memory_tables(emit):
   emit('|---|---:|---|---|---:|---:|')
   for model_name in FLAGS.models:
     for batch in map(int, FLAGS.batches):
+      seconds = time_model(model_name, batch, FLAGS.pipeline)
       for pipeline in FLAGS.pipeline:
-        seconds = time_model(model_name, batch, pipeline)
-        baseline = min(seconds[config] for config in BASELINES)
-        for config, value in seconds.items():
+        baseline = min(seconds[pipeline, config] for config in BASELINES)
+        for config in configs(model_name):
+          value = seconds[pipeline, config]
           emit(f'| {model_name} | {batch} | {pipeline} | {config} | '
                f'{1000 * value:.1f} | {value / baseline:.1f} |')
-        tf.keras.backend.clear_session()
+      tf.keras.backend.clear_session()
   if FLAGS.memory:
     pipeline = FLAGS.pipeline[0]
     emit()
