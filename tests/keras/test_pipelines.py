@@ -18,6 +18,7 @@ from tests.keras import traced_steps
 from tests.privatizers.cases import CASES
 from tfdpx.forms import dense as dense_forms
 from tfdpx.forms import materialized as materialized_forms
+from tfdpx.keras import recorder
 
 L = tf.keras.layers
 
@@ -136,3 +137,44 @@ def test_strided_convolutions_train_from_a_dataset_of_unknown_batch_size(
   # Some: GeoDP's noisy sines put its release on the first coordinates.
   assert any(np.any(b != v.numpy())
              for b, v in zip(before, model.trainable_variables))
+
+
+def _relative_error(got, want):
+  got = np.concatenate([np.ravel(g) for g in got])
+  want = np.concatenate([np.ravel(w) for w in want])
+  return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+@pytest.mark.parametrize('name', sorted(STRIDED))
+def test_strided_convolution_statistics_equal_single_example_tapes(name):
+  build, shape = STRIDED[name]
+  tf.keras.utils.set_random_seed(1)
+  model = build()
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=(6, *shape)).astype('float32')
+  y = rng.integers(0, 3, size=6)
+  loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                       reduction='none')
+  weights = rng.normal(size=6).astype('float32')
+
+  @tf.function(input_signature=[tf.TensorSpec([None, *shape])])
+  def statistics(x):  # As `fit` traces a `.batch(B)` dataset.
+    grads = recorder.model_gradients(
+        model, x, lambda outputs: loss(y, outputs),
+        model.trainable_variables, chunk_size=4).grads
+    return (grads.sq_norms(), grads.weighted_sum(tf.constant(weights)),
+            grads.materialized())
+
+  sq_norms, weighted_sum, materialized = statistics(x)
+  rows = []
+  for i in range(6):
+    with tf.GradientTape() as tape:
+      example_loss = loss(y[i:i + 1], model(x[i:i + 1]))
+    rows.append(tape.gradient(example_loss, model.trainable_variables))
+  tapes = [np.stack([r[v].numpy() for r in rows])
+           for v in range(len(model.trainable_variables))]
+  assert _relative_error(materialized, tapes) <= 1e-5
+  assert _relative_error(
+      sq_norms, [np.sum(t.reshape(6, -1)**2, axis=1) for t in tapes]) <= 1e-5
+  assert _relative_error(
+      weighted_sum, [np.tensordot(weights, t, 1) for t in tapes]) <= 1e-5
