@@ -362,12 +362,11 @@ def speed_and_memory_tables(emit):
          'x non-private |')
     emit('|---|---|---:|---:|')
     for model_name in FLAGS.memory_models:
-      baseline = None
-      for config in configs(model_name):
-        if config.endswith(' xla'):
-          continue
-        mib = peak_rss_mib(model_name, 1024, config, pipeline)
-        baseline = min(baseline or mib, mib) if config in BASELINES else baseline
+      peaks = {config: peak_rss_mib(model_name, 1024, config, pipeline)
+               for config in configs(model_name)
+               if not config.endswith(' xla')}
+      baseline = min(peaks[config] for config in BASELINES)
+      for config, mib in peaks.items():
         emit(f'| {model_name} | {config} | {mib:.0f} | {mib / baseline:.2f} |')
 
 

@@ -13,9 +13,9 @@ import pytest
 import tensorflow as tf
 
 import tfdpx
-from tfdpx import per_example
 from tests.keras import traced_steps
 from tests.privatizers.cases import CASES
+from tfdpx import per_example
 from tfdpx.forms import dense as dense_forms
 from tfdpx.forms import materialized as materialized_forms
 from tfdpx.keras import recorder
@@ -28,25 +28,25 @@ def formed(monkeypatch):
   """The per-example gradients formed while tracing, one entry a formation:
   the first variable of a Dense or convolution unit forming a chunk's (or the
   batch's) kernels, or of a materialized unit forming its gradients."""
-  names = []
+  variables = []
   kernel_of = dense_forms.ProductUnit._kernel_of  # pylint: disable=protected-access
 
   def counted_kernels(unit, chunk, rows=None):
-    names.append(unit.variables[0])
+    variables.append(unit.variables[0])
     return kernel_of(unit, chunk, rows)
 
   init = materialized_forms.MaterializedUnit.__init__
 
-  def counted_init(unit, variables, grads_of, *args, **kwargs):
+  def counted_init(unit, unit_variables, grads_of, *args, **kwargs):
     def counted(chunk):
-      names.append(variables[0])
+      variables.append(unit_variables[0])
       return grads_of(chunk)
-    init(unit, variables, counted, *args, **kwargs)
+    init(unit, unit_variables, counted, *args, **kwargs)
 
   monkeypatch.setattr(dense_forms.ProductUnit, '_kernel_of', counted_kernels)
   monkeypatch.setattr(materialized_forms.MaterializedUnit, '__init__',
                       counted_init)
-  return names
+  return variables
 
 
 def _formed_in_trace(formed, model_name, privatizer, batch, static):
