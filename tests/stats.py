@@ -22,6 +22,13 @@ def std_matches(samples, expected_std, mean=0.0) -> bool:
   return abs(measured / expected_std - 1.0) < Z / math.sqrt(2 * n)
 
 
+def relative_error(got, want) -> float:
+  """`|got - want| / |want|` in L2 over all entries of two lists of arrays."""
+  got = np.concatenate([np.ravel(g) for g in got])
+  want = np.concatenate([np.ravel(w) for w in want])
+  return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
 def relative_tolerance(n: int) -> float:
   """The relative tolerance `std_matches` uses for n samples."""
   return Z / math.sqrt(2 * n)

@@ -12,6 +12,8 @@ import pytest
 import tensorflow as tf
 
 import tfdpx
+from tests import stats
+from tests.privatizers import cases
 from tests.privatizers.cases import CASES
 from tfdpx import gradients
 from tfdpx import per_example
@@ -56,12 +58,6 @@ def _grads(model, x, y):
       model.trainable_variables, chunk_size=2).grads
 
 
-def _relative_error(got, want):
-  got = np.concatenate([np.ravel(g) for g in got])
-  want = np.concatenate([np.ravel(w) for w in want])
-  return np.linalg.norm(got - want) / np.linalg.norm(want)
-
-
 @pytest.fixture(scope='module')
 def problem():
   tf.keras.utils.set_random_seed(3)
@@ -96,7 +92,7 @@ def test_the_engine_releases_what_materialized_gradients_release(problem,
           grads, states[i], key,
           public_grads=publics[i] if case.needs_public else None)
       outs.append([o.numpy() for o in out])
-    assert _relative_error(*outs) <= 1e-5, step
+    assert stats.relative_error(*outs) <= 1e-5, step
 
 
 @pytest.mark.parametrize('name', ['gaussian', 'dpdr', 'sparsified(gaussian)',
@@ -104,7 +100,7 @@ def test_the_engine_releases_what_materialized_gradients_release(problem,
 def test_training_never_forms_per_example_gradients_of_dense_layers(
     name, monkeypatch):
   # Before, the optimizer handed every privatizer the materialized gradients.
-  case = next(c for c in CASES if c.name == name)
+  case = cases.case_named(name)
 
   def refuse(self):
     raise AssertionError('a Dense layer formed its per-example gradients')
@@ -150,7 +146,7 @@ def test_gep_in_the_anchors_coordinates_releases_what_materialized_gradients_rel
         grads, {}, key, public_grads=anchors)[0]]
             for grads, anchors in ((engine, public),
                                    (materialized, public_materialized))]
-    assert _relative_error(*outs) <= 1e-5, step
+    assert stats.relative_error(*outs) <= 1e-5, step
 
 
 def test_gep_on_dense_layers_forms_neither_gradients_nor_a_basis(monkeypatch):

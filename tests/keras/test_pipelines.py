@@ -14,7 +14,8 @@ import tensorflow as tf
 
 import tfdpx
 from tests.keras import traced_steps
-from tests.privatizers.cases import CASES
+from tests import stats
+from tests.privatizers import cases
 from tfdpx import per_example
 from tfdpx.forms import dense as dense_forms
 from tfdpx.forms import materialized as materialized_forms
@@ -117,7 +118,7 @@ def test_strided_convolutions_train_from_a_dataset_of_unknown_batch_size(
     name, privatizer):
   build, shape = STRIDED[name]
   tf.keras.utils.set_random_seed(0)
-  case = next(c for c in CASES if c.name == privatizer)
+  case = cases.case_named(privatizer)
   rng = np.random.default_rng(0)
   x = rng.normal(size=(10, *shape)).astype('float32')
   y = rng.integers(0, 3, size=10)
@@ -137,12 +138,6 @@ def test_strided_convolutions_train_from_a_dataset_of_unknown_batch_size(
   # Some: GeoDP's noisy sines put its release on the first coordinates.
   assert any(np.any(b != v.numpy())
              for b, v in zip(before, model.trainable_variables))
-
-
-def _relative_error(got, want):
-  got = np.concatenate([np.ravel(g) for g in got])
-  want = np.concatenate([np.ravel(w) for w in want])
-  return np.linalg.norm(got - want) / np.linalg.norm(want)
 
 
 @pytest.mark.parametrize('name', sorted(STRIDED))
@@ -173,8 +168,8 @@ def test_strided_convolution_statistics_equal_single_example_tapes(name):
     rows.append(tape.gradient(example_loss, model.trainable_variables))
   tapes = [np.stack([r[v].numpy() for r in rows])
            for v in range(len(model.trainable_variables))]
-  assert _relative_error(materialized, tapes) <= 1e-5
-  assert _relative_error(
+  assert stats.relative_error(materialized, tapes) <= 1e-5
+  assert stats.relative_error(
       sq_norms, [np.sum(t.reshape(6, -1)**2, axis=1) for t in tapes]) <= 1e-5
-  assert _relative_error(
+  assert stats.relative_error(
       weighted_sum, [np.tensordot(weights, t, 1) for t in tapes]) <= 1e-5

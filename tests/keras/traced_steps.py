@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import tfdpx
 from benchmarks import models
-from tests.privatizers.cases import CASES
+from tests.privatizers import cases
 
 # The noise steps, and the wrappers that add ops of their own.
 PRIVATIZERS = ('gaussian', 'dpdr', 'sparsified(gaussian)', 'd2p2_srht_mode_o',
@@ -17,16 +17,12 @@ PRIVATIZERS = ('gaussian', 'dpdr', 'sparsified(gaussian)', 'd2p2_srht_mode_o',
 NUM_PUBLIC = 16
 
 
-def _case(name):
-  return next(c for c in CASES if c.name == name)
-
-
 def private_model(model_name: str, privatizer: str, expected_batch_size: int,
                   jit_compile: bool = False) -> tf.keras.Model:
   """Benchmark model `model_name` made private and compiled with `privatizer`
   (a name of `tests.privatizers.cases.CASES`), noise multiplier 1, clip 1."""
   tf.keras.utils.set_random_seed(0)
-  case = _case(privatizer)
+  case = cases.case_named(privatizer)
   public = (models.data(model_name, NUM_PUBLIC, seed=1)
             if case.needs_public else None)
   model = tfdpx.keras.make_private(models.MODELS[model_name][0](),

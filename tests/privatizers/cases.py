@@ -195,3 +195,8 @@ _PER_LAYER = [per_layer_case(c) for c in CASES
               if c.name in ('gaussian', 'dpdr', 'gep')]
 # Adaptive clipping scales every group's norm: it wraps per-layer clipping.
 CASES += _PER_LAYER + [adaptive_case(_PER_LAYER[0])]
+
+
+def case_named(name: str) -> Case:
+  """The case of `CASES` called `name`."""
+  return next(c for c in CASES if c.name == name)

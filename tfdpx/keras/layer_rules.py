@@ -267,13 +267,13 @@ def _conv_patches(layer, inputs):
     patches = tf.reshape(patches,
                          tf.concat([shape[:3], [channels, taps]], 0))
     # Kernel order: taps (row-major), then channels.
-    patches = tf.transpose(patches, [0, 1, 2, 4, 3])
+    patches = tf.reshape(tf.transpose(patches, [0, 1, 2, 4, 3]),
+                         tf.concat([shape[:3], [taps * channels]], 0))
   else:  # Already in kernel order: [B, H, W, taps * channels].
     patches = tf.image.extract_patches(
         inputs, sizes=[1, *size, 1], strides=strides,
         rates=[1, *dilations, 1], padding=padding)
-  return _sequence_rows(tf.reshape(
-      patches, tf.concat([tf.shape(patches)[:3], [taps * channels]], 0)))
+  return _sequence_rows(patches)
 
 
 def half_precision(dtype) -> bool:
