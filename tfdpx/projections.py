@@ -155,8 +155,8 @@ def padded_dim(d: int) -> int:
 
 # The Hadamard transform applies `H_s` (`s x s`, s <= FWHT_BLOCK) along one
 # axis at a time: `H_n` is the Kronecker product of such factors (Sylvester
-# order), so log2(n) / 6 matmuls and transposes replace the log2(n) butterfly
-# stages of half a dozen graph ops each (the MLP's 2^17-entry kernel: 17).
+# order), so log2(n) / 6 matmuls replace the log2(n) butterfly stages of half
+# a dozen graph ops each (the MLP's 2^17-entry kernel: 17).
 FWHT_BLOCK = 64
 
 
@@ -174,15 +174,24 @@ def fwht(x: tf.Tensor) -> tf.Tensor:
   The length must be a power of two; `fwht(fwht(x)) = len(x) * x`.
   """
   n = int(x.shape[0])
-  y, rest = x, n
-  while rest > 1:
-    # The least significant index bits not yet transformed are the last axis
-    # of `[-1, s]`; transforming it and transposing makes them the most
-    # significant, so once every factor is done the original order is back.
-    s = min(rest, FWHT_BLOCK)
-    y = tf.transpose(tf.matmul(tf.reshape(y, [-1, s]),
-                               tf.constant(_sylvester(s), x.dtype)))
-    rest //= s
+  factors = []
+  while math.prod(factors) < n:
+    factors.append(min(n // math.prod(factors), FWHT_BLOCK))
+  if len(factors) <= 1:  # n <= FWHT_BLOCK; n = 1 has no factor.
+    return tf.linalg.matvec(tf.constant(_sylvester(n), x.dtype), x)
+  # `H_n = H_a (x) H_b (x) ...` acts on x laid out row-major as an array of
+  # shape `factors`, one axis per factor. Each axis is multiplied where it
+  # lies (first from the left, middle ones as a batch, last from the right):
+  # no transposes, which cost as much as the products.
+  y = tf.reshape(x, [factors[0], -1])
+  y = tf.matmul(tf.constant(_sylvester(factors[0]), x.dtype), y)
+  before = factors[0]
+  for s in factors[1:-1]:
+    y = tf.matmul(tf.constant(_sylvester(s), x.dtype),
+                  tf.reshape(y, [before, s, -1]))
+    before *= s
+  y = tf.matmul(tf.reshape(y, [-1, factors[-1]]),
+                tf.constant(_sylvester(factors[-1]), x.dtype))
   return tf.reshape(y, [n])
 
 
@@ -191,6 +200,10 @@ def fwht(x: tf.Tensor) -> tf.Tensor:
 FEISTEL_ROUNDS = 8
 
 
+# Compiled by XLA wherever it runs: TensorFlow's gather costs about 2.5 ns per
+# index on a CPU (0.6 ms for the MLP's 30k rows over eight rounds), while XLA
+# fuses the rounds into one loop (0.2 ms). The output is the same integers.
+@tf.function(jit_compile=True)
 def feistel_permutation(indices, key, bits: int) -> tf.Tensor:
   """A keyed bijection of [0, 2^bits) applied to int32 `indices`.
 
@@ -247,5 +260,7 @@ def srht_backward(v, key, d: int, parts=None) -> tf.Tensor:
   p = int(v.shape[0])
   dp = padded_dim(d)
   signs, rows = srht_parts(key, d, p) if parts is None else parts
-  spread = tf.scatter_nd(rows[:, None], v, [dp])
+  # The rows are distinct; a segment sum is 6x faster than `scatter_nd` on a
+  # CPU (0.08 against 0.49 ms for 30k of 2^17 rows).
+  spread = tf.math.unsorted_segment_sum(v, rows, dp)
   return (signs * fwht(spread) * (1.0 / math.sqrt(dp)))[:d]

@@ -181,16 +181,21 @@ def test_srht_rows_are_orthonormal_and_norm_at_most_one(d):
 
 
 def _butterfly(x):
-  """The transform by its definition's recursion, in float64."""
-  if len(x) == 1:
-    return x
-  a, b = _butterfly(x[:len(x) // 2]), _butterfly(x[len(x) // 2:])
-  return np.concatenate([a + b, a - b])
+  """The transform by its definition's butterflies, in float64."""
+  y = np.array(x, np.float64)
+  half = 1
+  while half < len(y):
+    pairs = y.reshape(-1, 2, half)
+    y = np.concatenate([pairs[:, 0] + pairs[:, 1], pairs[:, 0] - pairs[:, 1]],
+                       axis=1).reshape(-1)
+    half *= 2
+  return y
 
 
-@pytest.mark.parametrize('n', [1, 2, 32, 2048, 2**13, 2**17])
+@pytest.mark.parametrize('n', [1, 2, 32, 2048, 2**13, 2**17, 2**19])
 def test_fwht_is_the_hadamard_matrix(n):
-  # Up to 64: one block; 2048: two (64 x 32); 2^13 and 2^17: three.
+  # Up to 64: one block; 2048: two (64 x 32); 2^13 and 2^17: three; 2^19:
+  # four (64 x 64 x 64 x 2), so two middle factors.
   x = np.random.default_rng(0).normal(size=n)
   if n <= 2048:
     from scipy import linalg  # pylint: disable=g-import-not-at-top
