@@ -55,7 +55,7 @@ from benchmarks.models import MODELS
 import tfdpx
 from tfdpx import privatizers
 from tfdpx import sampling
-from tfdpx.keras.stack import KERAS_3
+from tfdpx.keras.version import KERAS_3
 
 # pylint: disable=g-import-not-at-top
 if not KERAS_3:  # tensorflow-privacy exists on the Keras 2 stack only.

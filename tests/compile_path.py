@@ -1,7 +1,7 @@
 """The model a test compiles with a tfdpx optimizer, on either stack."""
 
 import tfdpx
-from tfdpx.keras.stack import KERAS_3
+from tfdpx.keras.version import KERAS_3
 
 
 def trainable(model):

@@ -15,7 +15,7 @@ import pytest
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 os.environ.setdefault('CUDA_VISIBLE_DEVICES', '')
 
-from tfdpx.keras.stack import KERAS_3  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfdpx.keras.version import KERAS_3  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def pytest_configure(config):

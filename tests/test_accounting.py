@@ -11,7 +11,7 @@ import tfdpx
 from tfdpx import accounting
 from tfdpx import core
 from tfdpx.privatizers import gaussian
-from tfdpx.keras.stack import KERAS_3
+from tfdpx.keras.version import KERAS_3
 
 if not KERAS_3:  # tensorflow-privacy is on Stack A only.
   from tensorflow_privacy.privacy.analysis import compute_dp_sgd_privacy_lib  # pylint: disable=g-import-not-at-top

@@ -11,7 +11,7 @@ import tensorflow as tf
 import tfdpx
 from tfdpx.privatizers import dpdr
 from tfdpx.privatizers import gaussian
-from tfdpx.keras.stack import KERAS_3
+from tfdpx.keras.version import KERAS_3
 
 _COMPILE_PATH = pytest.mark.keras2_only('the compile path')
 

@@ -23,7 +23,7 @@ import tensorflow as tf
 import tfdpx
 from examples import models
 from tfdpx import privatizers
-from tfdpx.keras.stack import KERAS_3
+from tfdpx.keras.version import KERAS_3
 from tfdpx.privatizers.dpdr import _block_ids  # pylint: disable=protected-access
 
 pytestmark = pytest.mark.skipif(not KERAS_3, reason='Keras 3 only (Stack B)')

@@ -180,7 +180,7 @@ def test_noise_is_float32_noise_of_the_event():
           accountant.get_epsilon(1e-5), rel=1e-9)
 
 
-@pytest.mark.skipif(tfdpx.keras.stack.KERAS_3,
+@pytest.mark.skipif(tfdpx.keras.version.KERAS_3,
                     reason='the compile path is Keras 2 only')
 def test_the_compile_path_clips_its_jacobian_rows_within_the_norm():
   """Stack A's compile path: per-record gradients from the Jacobian of the

@@ -18,7 +18,7 @@ from keras.src.saving import serialization_lib
 from keras.src.utils import losses_utils
 
 from tfdpx import per_example
-from tfdpx.keras import optimizers
+from tfdpx.keras.dp_optimizer import DPOptimizerMixin
 
 Functional = functional_lib.Functional
 is_functional_init = training_lib.is_functional_model_init_params
@@ -121,7 +121,7 @@ class ModelHooks:
 
   def save_own_variables(self, store):
     super().save_own_variables(store)
-    if isinstance(self.optimizer, optimizers.DPOptimizerMixin):
+    if isinstance(self.optimizer, DPOptimizerMixin):
       for i, value in enumerate(self.optimizer.get_weights()):
         store[_OPTIMIZER_KEY.format(i)] = value
 
@@ -139,7 +139,7 @@ class ModelHooks:
 
   def _restore_optimizer_state(self, restored):
     if (isinstance(restored, optimizer_v2.RestoredOptimizer) and
-        isinstance(self.optimizer, optimizers.DPOptimizerMixin)):
+        isinstance(self.optimizer, DPOptimizerMixin)):
       # A SavedModel's optimizer variables, as Keras 2.15 loads them.
       self.optimizer.restore_state_from(restored, self.trainable_variables)
 

@@ -3,12 +3,10 @@
 The public API is the same on both. The modules that differ are chosen here
 once: `keras_version` (`tfdpx.keras.keras2` or `keras3`) and `optimizers`
 (`tfdpx.keras.optimizers`, over tensorflow-privacy, or `optimizers_keras3`).
+The flag itself is `tfdpx.keras.version.KERAS_3`.
 """
 
-import tensorflow as tf
-
-# tf.keras is Keras 3 from TensorFlow 2.16 on; Keras 2 has no `version()`.
-KERAS_3 = hasattr(tf.keras, 'version') and tf.keras.version().startswith('3')
+from tfdpx.keras.version import KERAS_3
 
 # pylint: disable=g-import-not-at-top,unused-import
 if KERAS_3:

@@ -41,16 +41,17 @@ from typing import Any, Dict, List, Optional
 
 import tensorflow as tf
 
-from tfdpx.keras import stack
-from tfdpx.keras.stack import KERAS_3
+from tfdpx.keras.version import KERAS_3
 
 # pylint: disable=g-import-not-at-top
 if KERAS_3:
   from keras import KerasTensor
   from keras.src.layers.normalization.batch_normalization import BatchNormalization as _BatchNormalization
+  from tfdpx.keras.keras3 import tf_variables
 else:
   from keras.src.engine.keras_tensor import KerasTensor
   from keras.src.layers.normalization.batch_normalization import BatchNormalizationBase as _BatchNormalization
+  from tfdpx.keras.keras2 import tf_variables
 # pylint: enable=g-import-not-at-top
 
 # Ops that read a variable; any other op given a variable's handle may write it.
@@ -226,7 +227,7 @@ def _check_writes(model, layers, inputs) -> None:
   owners = {}  # id of a variable's handle -> (variable, layer owning it).
   for layer in layers:
     for variable, tf_variable in zip(
-        layer.weights, stack.keras_version.tf_variables(layer.weights)):
+        layer.weights, tf_variables(layer.weights)):
       # A distributed variable's graph captures are its components'.
       for component in getattr(tf_variable, 'values', (tf_variable,)):
         key = id(component.handle)
