@@ -13,6 +13,7 @@ from tfdpx.forms import dense as dense_forms
 from tfdpx.forms import embedding as embedding_forms
 from tfdpx.keras import layer_rules
 from tfdpx.keras import recorder
+from tfdpx.keras.version import KERAS_3
 
 L = tf.keras.layers
 BATCH = 5
@@ -105,6 +106,39 @@ def _tied_fallback():
   return tf.keras.Model(inputs, L.Dense(2)(x))
 
 
+def _einsum_dense():
+  """Attention-style projections, a transposed output, '...' and vectors."""
+  inputs = tf.keras.Input((6, 7))
+  heads = L.EinsumDense('abc,cde->abde', (6, 2, 3), bias_axes='de',
+                        activation='tanh')(inputs)
+  x = L.EinsumDense('abcd,cde->abe', (6, 4), bias_axes='e')(heads)
+  x = L.EinsumDense('abc,cd->adb', (3, 6))(x)  # Output positions last.
+  x = L.EinsumDense('...b,bc->...c', 2, bias_axes='c')(x)
+  x = L.Flatten()(x)
+  return tf.keras.Model(inputs, L.EinsumDense('ab,bc->ac', 2)(x))
+
+
+def _attention(mask):
+  """Self-attention over padded tokens, causal, or cross-attention."""
+  ids = tf.keras.Input((6,), dtype='int32')
+  # mask_zero: Keras passes the padding mask on to the attention.
+  x = L.Embedding(5, 4, mask_zero=mask == 'padding')(ids)
+  if mask == 'cross':
+    context = L.Dense(4, activation='tanh')(x[:, :3])
+    x = L.MultiHeadAttention(2, 3, dropout=0.0)(x, context)
+  else:
+    x = L.MultiHeadAttention(2, 3, value_dim=2, output_shape=5)(
+        x, x, use_causal_mask=mask == 'causal')
+  return tf.keras.Model(ids, L.Dense(2)(L.Flatten()(x)))
+
+
+def _padded_ids(rng):
+  ids = rng.integers(1, 5, size=(BATCH, 6))
+  ids[:, 4:] = 0  # The last two positions of every example are padding.
+  ids[0, 2:] = 0
+  return ids
+
+
 MODELS = {
     'dense': (lambda: tf.keras.Sequential([
         tf.keras.Input((7,)), L.Dense(4, activation='tanh'), L.Dense(3)]),
@@ -156,7 +190,33 @@ MODELS = {
     'tied_before': (_tied_before, _floats(4)),
     'tied_embedding': (_tied_embedding, _ids(6, 10)),
     'tied_fallback': (_tied_fallback, _floats(4)),
+    'einsum_dense': (_einsum_dense, _floats(6, 7)),
+    'attention_padding': (lambda: _attention('padding'), _padded_ids),
+    'attention_causal': (lambda: _attention('causal'), _ids(6, 5)),
+    'attention_cross': (lambda: _attention('cross'), _ids(6, 5)),
 }
+
+
+def _lora():
+  """Keras 3's LoRA on a Dense layer and on an attention-style EinsumDense,
+  frozen kernels, trainable biases; b is random (it starts at zero, where a's
+  gradient is zero too)."""
+  inputs = tf.keras.Input((6, 7))
+  heads = L.EinsumDense('abc,cde->abde', (6, 2, 3), bias_axes='de',
+                        activation='tanh')
+  dense = L.Dense(4)
+  x = dense(L.Flatten()(heads(inputs)))
+  model = tf.keras.Model(inputs, L.Dense(2)(x))
+  rng = np.random.default_rng(3)
+  for layer, rank in ((heads, 2), (dense, 3)):
+    layer.enable_lora(rank)
+    layer.lora_kernel_b.assign(
+        rng.normal(size=layer.lora_kernel_b.shape).astype('float32'))
+  return model
+
+
+if KERAS_3:
+  MODELS['lora'] = (_lora, _floats(6, 7))
 
 
 def _loop_reference(model, x, y):
@@ -286,7 +346,15 @@ def _problem(name):
 def _check_against_the_loop(name, unknown_batch=False, chunk_size=2,
                             **kwargs):
   """Every statistic of model `name`'s engine against single-example tapes."""
-  model, x, y, _ = _problem(name)
+  model, x, _, _ = _problem(name)
+  _check_against_the_loop_of(model, x, unknown_batch, chunk_size, **kwargs)
+
+
+def _check_against_the_loop_of(model, x, unknown_batch=False, chunk_size=2,
+                               **kwargs):
+  """Every statistic of `model`'s engine on `x` against single-example tapes
+  (random targets)."""
+  y = np.random.default_rng(2).normal(size=model(x).shape).astype('float32')
   expected = _loop_reference(model, x, y)
   # Chunks of 2 examples by default: 3 chunks, the last one padded.
   grads = _InGraph(model, x, lambda outputs: _squared_error(y, outputs),
@@ -347,6 +415,63 @@ def test_rules_cover_the_ruled_layers_and_skip_what_they_cannot_do():
   for layer in (grouped, transposed):
     layer.build(x2.shape)
     assert layer_rules.lookup(layer, x2) is None, layer.name
+
+
+def _recorded(model, x):
+  """The layers of the rule calls and of the fallback calls of one pass."""
+  with tf.GradientTape(persistent=True) as tape:
+    record = recorder._Recorder(tape, True, model.trainable_variables)  # pylint: disable=protected-access
+    record.run(model, tf.convert_to_tensor(x))
+  return ([layer for layer, _, _, _ in record.rule_calls],
+          [call.layer for call in record.fallback_calls])
+
+
+@pytest.mark.parametrize('mask', ['padding', 'causal', 'cross'])
+def test_attention_is_recorded_as_its_four_projections(mask):
+  model, x, _, _ = _problem(f'attention_{mask}')
+  attention = next(layer for layer in model.layers
+                   if isinstance(layer, L.MultiHeadAttention))
+  ruled, fallback = _recorded(model, x)
+  assert not fallback
+  projections = [layer for layer in ruled
+                 if isinstance(layer, L.EinsumDense)]
+  assert len(projections) == 4
+  assert {id(p) for p in projections} == {
+      id(layer) for layer in attention._flatten_layers(include_self=False)  # pylint: disable=protected-access
+      if layer.trainable_weights}
+  # The projections' `call` is the class's again after the pass.
+  assert all('call' not in vars(p) for p in projections)
+
+
+def test_frozen_layers_and_projections_are_not_recorded():
+  model, x, _, _ = _problem('attention_causal')
+  attention = next(layer for layer in model.layers
+                   if isinstance(layer, L.MultiHeadAttention))
+  next(layer for layer in model.layers
+       if isinstance(layer, L.Embedding)).trainable = False
+  for name in ('_key_dense', '_output_dense'):
+    getattr(attention, name).trainable = False
+  ruled, fallback = _recorded(model, x)
+  assert not fallback
+  assert [layer.name for layer in ruled] == [
+      attention._query_dense.name, attention._value_dense.name,  # pylint: disable=protected-access
+      model.layers[-1].name]
+  _check_against_the_loop_of(model, x)
+
+
+def test_einsum_dense_equations_outside_the_form_take_the_fallback():
+  x = tf.zeros([2, 5, 3])
+  supported = L.EinsumDense('abc,cd->abd', (5, 4), bias_axes='d')
+  summed = L.EinsumDense('abc,cd->ad', 4)  # Positions summed away.
+  shared = L.EinsumDense('abc,bcd->abd', (5, 4))  # Per-position kernels.
+  kernel_free_first = L.EinsumDense('abc,dc->abd', (5, 4))
+  bias_on_positions = L.EinsumDense('abc,cd->abd', (5, 4), bias_axes='b')
+  for layer in (supported, summed, shared, kernel_free_first,
+                bias_on_positions):
+    layer(x)
+  assert layer_rules.lookup(supported, x) is not None
+  for layer in (summed, shared, kernel_free_first, bias_on_positions):
+    assert layer_rules.lookup(layer, x) is None, layer.equation
 
 
 def test_a_registered_rule_is_used_for_a_custom_layer():
@@ -614,7 +739,9 @@ def test_a_random_fallback_call_gets_the_gradients_of_the_forward_that_ran(
   assert np.abs(want[0].numpy()).max() > 0
   for g, w in zip(got, want):
     np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-4, atol=1e-5)
-  assert 'draws random numbers' in caplog.text  # The cost is not silent.
+  # The cost is not silent; attention's dropout acts between its ruled
+  # projections, in the batched pass: no fallback, nothing to warn about.
+  assert ('draws random numbers' in caplog.text) == (name != 'attention')
 
 
 def test_a_deterministic_fallback_call_stays_linear(caplog):

@@ -44,7 +44,7 @@ class ProductUnit(unit.Unit):
                weighted_sum: Optional[Callable] = None):
     """Args:
       kernel: the kernel; its gradient is `A_i^T D_i` reshaped to its shape.
-      bias: the bias (gradient `sum_t D_i[t]`), or None.
+      bias: the bias (gradient `sum_t D_i[t]`, in its shape), or None.
       rows_of: maps a chunk of `elems` (`[c, ...]` each) to `A` of the chunk,
         `[c, T, p]` (Dense: the inputs; convolutions: the input patches).
       elems: the batched tensors `rows_of` needs.
@@ -76,8 +76,8 @@ class ProductUnit(unit.Unit):
 
   def _bias_grads(self) -> gradients.MaterializedGradients:
     if self._bias_rows is None:
-      self._bias_rows = gradients.MaterializedGradients(
-          [tf.reduce_sum(self._d, axis=1)])
+      self._bias_rows = gradients.MaterializedGradients([tf.reshape(
+          tf.reduce_sum(self._d, axis=1), [-1, *self._bias.shape])])
     return self._bias_rows
 
   def _columns(self, rows) -> Tuple[int, int]:
@@ -223,7 +223,8 @@ class ProductUnit(unit.Unit):
         self._kernel_shape(rows[0]))
     out = [tf.cast(kernel, self._kernel.dtype)]
     if self._bias is not None:
-      bias = tf.cast(tf.reduce_sum(d, axis=[0, 1]), self._bias.dtype)
+      bias = tf.cast(tf.reshape(tf.reduce_sum(d, axis=[0, 1]),
+                                self._bias.shape), self._bias.dtype)
       out.append(gradients.slice_rows(bias, rows[1], axis=0))
     return out
 
@@ -246,7 +247,8 @@ class ProductUnit(unit.Unit):
                         [k, *self._kernel_shape(rows[0])])
     out = [tf.cast(kernel, self._kernel.dtype)]
     if self._bias is not None:
-      bias = tf.cast(tf.matmul(w, d, transpose_a=True), self._bias.dtype)
+      bias = tf.cast(tf.reshape(tf.matmul(w, d, transpose_a=True),
+                                [k, *self._bias.shape]), self._bias.dtype)
       out.append(gradients.slice_rows(bias, rows[1]))
     return out
 

@@ -19,7 +19,9 @@ reduced chunk by chunk; a rule may give a `unit` instead, with cheaper forms.
 """
 
 import dataclasses
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+import math
+import string
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import tensorflow as tf
 
@@ -72,8 +74,10 @@ class LayerRule:
       this call. Every statistic is reduced from these, chunk by chunk.
     supports: `supports(layer, inputs) -> bool`; when False this call goes
       to the vectorized fallback instead (an unusual configuration or input).
-    unit: optional `unit(call: RuleCall) -> tfdpx.forms.unit.Unit` with
-      cheaper exact forms; used instead of `grads` when given.
+    unit: optional `unit(call: RuleCall)` with cheaper exact forms: a
+      `tfdpx.forms.unit.Unit`, or a list of units of disjoint variables that
+      together cover the layer's trainable weights; used instead of `grads`
+      when given.
   """
   forward: Callable[[tf.keras.layers.Layer, tf.Tensor],
                     Tuple[tf.Tensor, tf.Tensor]]
@@ -81,16 +85,18 @@ class LayerRule:
                            Grads]] = None
   supports: Callable[[tf.keras.layers.Layer, tf.Tensor],
                      bool] = lambda layer, inputs: True
-  unit: Optional[Callable[[RuleCall], unit_lib.Unit]] = None
+  unit: Optional[Callable[[RuleCall], Union[unit_lib.Unit,
+                                            List[unit_lib.Unit]]]] = None
 
   def __post_init__(self):
     if self.grads is None and self.unit is None:
       raise ValueError('a LayerRule needs grads or unit')
 
-  def make_unit(self, call: RuleCall) -> unit_lib.Unit:
-    """The unit of one recorded call."""
+  def make_units(self, call: RuleCall) -> List[unit_lib.Unit]:
+    """The units of one recorded call."""
     if self.unit is not None:
-      return self.unit(call)
+      units = self.unit(call)
+      return list(units) if isinstance(units, (list, tuple)) else [units]
     variables = keras_version.tf_variables(call.layer.trainable_weights)
 
     def grads_of(chunk):
@@ -101,9 +107,9 @@ class LayerRule:
               tf.zeros(tf.concat([tf.shape(tap_grad)[:1], v.shape], 0),
                        v.dtype) for v in variables]
 
-    return materialized_forms.MaterializedUnit(
+    return [materialized_forms.MaterializedUnit(
         variables, grads_of, [call.inputs, call.tap_grad], call.chunk_size,
-        expected_batch_size=call.expected_batch_size)
+        expected_batch_size=call.expected_batch_size)]
 
 
 _RULES: Dict[type, LayerRule] = {}
@@ -125,6 +131,17 @@ def lookup(layer: tf.keras.layers.Layer, inputs) -> Optional[LayerRule]:
       not rule.supports(layer, inputs)):
     return None
   return rule
+
+
+# Layers without a rule of their own whose weights all sit in sublayers: the
+# engine records each sublayer call instead of the whole call (the layer's
+# own code between them, e.g. attention's softmax, carries no weights).
+_COMPOSITES = {tf.keras.layers.MultiHeadAttention}
+
+
+def composite(layer: tf.keras.layers.Layer) -> bool:
+  """Whether the engine records `layer`'s sublayer calls, not its own."""
+  return type(layer) in _COMPOSITES and layer.built
 
 
 def _called_normally(layer, inputs):
@@ -164,12 +181,84 @@ def _sequence_rows(tensor: tf.Tensor) -> tf.Tensor:
   return rows
 
 
-def _dense_unit(call: RuleCall) -> unit_lib.Unit:
+def _trainable(variable) -> bool:
+  return variable is not None and variable.trainable
+
+
+def _bias_unit(bias, tap_rows: tf.Tensor) -> unit_lib.Unit:
+  """A bias alone (its kernel frozen): gradient `sum_t D_i[t]`, small."""
+  return materialized_forms.MaterializedUnit(
+      [bias], lambda elems: [tf.reshape(tf.reduce_sum(elems[0], axis=1),
+                                        [-1, *bias.shape])],
+      [tap_rows], chunk_size=None)
+
+
+def _product_units(call: RuleCall, rows_of, tap_rows: tf.Tensor,
+                   free_shape) -> List[unit_lib.Unit]:
+  """The units of a layer whose pre-activation is `A K + b` per position.
+
+  `rows_of(inputs)` lays a batch of inputs out as `A` (`[B, T, p]`) and
+  `tap_rows` is the pre-activation's gradient as `D` (`[B, T, o]`), o the
+  product of `free_shape`, the kernel's output axes. Only trainable weights
+  get a unit: a frozen kernel costs nothing per example.
+
+  Keras 3's LoRA (`enable_lora`): `K = W + s a b`, with `a` the kernel's
+  shape up to its last axis, then the rank r, and `b` `[r, e]` (e the last
+  output axis, q the product of the others): b's gradient is a product over
+  `T q` positions of `s A a` (`[T q, r]`) and `D` (`[T q, e]`), a's one of
+  `A` and `s D b^T` (`[T, q r]`). Nothing of size p o per example.
+  """
   layer = call.layer
-  return dense_forms.ProductUnit(
-      layer.kernel, layer.bias if layer.use_bias else None,
-      lambda elems: _sequence_rows(elems[0]), [call.inputs],
-      _sequence_rows(call.tap_grad), call.chunk_size)
+  bias = layer.bias if _trainable(layer.bias) else None
+  inputs = [call.inputs]
+  if not getattr(layer, 'lora_enabled', False):
+    if _trainable(layer.kernel):
+      return [dense_forms.ProductUnit(
+          layer.kernel, bias, lambda elems: rows_of(elems[0]), inputs,
+          tap_rows, call.chunk_size)]
+    return [_bias_unit(bias, tap_rows)] if bias is not None else []
+  scale = layer.lora_alpha / layer.lora_rank
+  a, b = layer.lora_kernel_a, layer.lora_kernel_b
+  e, rank = b.shape[-1], b.shape[0]
+  p = a.shape.num_elements() // (rank * math.prod(free_shape[:-1]))
+
+  def positions(tensor, width):  # [B, T, q * width] as [B, T q, width].
+    rows = tf.reshape(tensor, [tf.shape(tensor)[0], -1, width])
+    steps = tensor.shape[1]
+    rows.set_shape([tensor.shape[0], steps and steps * (
+        tensor.shape[-1] // width), width])
+    return rows
+
+  def lora_rows(elems):  # s A a, [B, T q, r].
+    rows = tf.cast(rows_of(elems[0]), tf.float32)
+    return positions(scale * tf.matmul(
+        rows, tf.reshape(tf.cast(a, tf.float32), [p, -1])), rank)
+
+  d = tf.cast(tap_rows, tf.float32)
+  units = []
+  if _trainable(layer._kernel):  # pylint: disable=protected-access
+    units.append(dense_forms.ProductUnit(
+        layer._kernel, None, lambda elems: rows_of(elems[0]), inputs,  # pylint: disable=protected-access
+        tap_rows, call.chunk_size))
+  if _trainable(a):
+    back = scale * tf.matmul(positions(d, e), tf.cast(b, tf.float32),
+                             transpose_b=True)  # s D b^T, [B, T q, r]
+    back_rows = tf.reshape(back, tf.concat([tf.shape(d)[:2], [-1]], 0))
+    back_rows.set_shape(d.shape[:2].concatenate([d.shape[-1] // e * rank]))
+    units.append(dense_forms.ProductUnit(
+        a, None, lambda elems: rows_of(elems[0]), inputs, back_rows,
+        call.chunk_size))
+  if _trainable(b):
+    units.append(dense_forms.ProductUnit(b, None, lora_rows, inputs,
+                                         positions(d, e), call.chunk_size))
+  if bias is not None:
+    units.append(_bias_unit(bias, tap_rows))
+  return units
+
+
+def _dense_units(call: RuleCall) -> List[unit_lib.Unit]:
+  return _product_units(call, _sequence_rows, _sequence_rows(call.tap_grad),
+                        [call.layer.units])
 
 
 def _backward_weighted_sum(call: RuleCall, forward):
@@ -206,9 +295,11 @@ def _backward_weighted_sum(call: RuleCall, forward):
 
 
 def _conv_supports(layer, inputs):
-  # Grouped, channels-first and extra-batch-dim convolutions take the fallback.
+  # Grouped, channels-first, extra-batch-dim and (Keras 3) LoRA convolutions
+  # take the fallback.
   return (layer.groups == 1 and layer.data_format == 'channels_last' and
-          inputs.shape.rank == layer.rank + 2)
+          inputs.shape.rank == layer.rank + 2 and
+          not getattr(layer, 'lora_enabled', False))
 
 
 def _conv_pad(layer, inputs):
@@ -281,17 +372,119 @@ def half_precision(dtype) -> bool:
   return tf.as_dtype(dtype) in (tf.bfloat16, tf.float16)
 
 
-def _conv_unit(call: RuleCall) -> unit_lib.Unit:
+def _conv_unit(call: RuleCall) -> List[unit_lib.Unit]:
   layer = call.layer
+  bias = layer.bias if layer.use_bias and _trainable(layer.bias) else None
+  if not _trainable(layer.kernel):  # Frozen: the bias alone, if trainable.
+    return ([_bias_unit(bias, _sequence_rows(call.tap_grad))]
+            if bias is not None else [])
   # Under mixed precision the layer's own backward pass would sum in 16
   # bits; the patch form sums the float32 values the norms come from.
   backward = (None if half_precision(call.tap.dtype) else
               _backward_weighted_sum(call, _conv_forward))
-  return dense_forms.ProductUnit(
-      layer.kernel, layer.bias if layer.use_bias else None,
-      lambda elems: _conv_patches(layer, elems[0]),
+  return [dense_forms.ProductUnit(
+      layer.kernel, bias, lambda elems: _conv_patches(layer, elems[0]),
       [_conv_pad(layer, call.inputs)], _sequence_rows(call.tap_grad),
-      call.chunk_size, backward)
+      call.chunk_size, backward)]
+
+
+# --- EinsumDense --------------------------------------------------------------
+
+
+class _EinsumAxes(NamedTuple):
+  """An EinsumDense equation read as a Dense layer on sequences.
+
+  The kernel gradient of example i is `A_i^T D_i`, with `A_i` its input laid
+  out as `[positions, contracted]` and `D_i` its output gradient as
+  `[positions, free]`. Attributes are the letters of the equation (`...`
+  spelled out): `inputs`, `outputs` of the operands; `positions` in the input
+  and the output only (besides the batch, `inputs[0]`), in input order;
+  `contracted` in the input and the kernel, in kernel order; `free` in the
+  kernel and the output, in kernel order.
+  """
+  inputs: str
+  outputs: str
+  positions: str
+  contracted: str
+  free: str
+
+
+def _einsum_axes(layer, inputs) -> Optional[_EinsumAxes]:
+  """`layer.equation` as `_EinsumAxes`, or None if it is not of that form.
+
+  Not of that form: a letter repeated in an operand, an input letter summed
+  away or shared by all three operands, a kernel whose free letters are not
+  all after its contracted ones, or a bias over other than the free letters.
+  """
+  equation = layer.equation.replace(' ', '')
+  operands, outputs = equation.split('->')
+  x, kernel = operands.split(',')
+  if '...' in x:
+    spelled = ''.join(c for c in string.ascii_letters if c not in equation)
+    spelled = spelled[:inputs.shape.rank - (len(x) - 3)]
+    x, outputs = x.replace('...', spelled), outputs.replace('...', spelled)
+  if ('...' in kernel or len(x) != inputs.shape.rank or
+      any(len(set(s)) != len(s) for s in (x, kernel, outputs))):
+    return None
+  batch = x[0]
+  positions = ''.join(c for c in x[1:] if c in outputs and c not in kernel)
+  contracted = ''.join(c for c in kernel if c in x and c not in outputs)
+  free = ''.join(c for c in kernel if c in outputs and c not in x)
+  bias_axes = ''.join(c for c in outputs if c in (layer.bias_axes or ''))
+  if (batch in kernel or batch not in outputs or not contracted or
+      len(x) != 1 + len(positions) + len(contracted) or
+      kernel != contracted + free or
+      len(outputs) != 1 + len(positions) + len(free) or
+      (layer.bias is not None and
+       (bias_axes != free or not outputs.endswith(free)))):
+    return None
+  return _EinsumAxes(x, outputs, positions, contracted, free)
+
+
+def _einsum_supports(layer, inputs):
+  # Keras 3's quantized kernels have no float per-example gradient.
+  return (getattr(layer, 'quantization_mode', None) is None and
+          _einsum_axes(layer, inputs) is not None)
+
+
+def _einsum_forward(layer, inputs):
+  # EinsumDense.call without its activation, so that the output is the tap.
+  dtype = layer.compute_dtype
+  pre = tf.einsum(layer.equation, tf.cast(inputs, dtype),
+                  tf.cast(layer.kernel, dtype))
+  if layer.bias is not None:
+    pre = pre + tf.cast(layer.bias, dtype)
+  return layer.activation(pre), pre
+
+
+def _letter_rows(tensor: tf.Tensor, letters: str, positions: str,
+                 last: str) -> tf.Tensor:
+  """`tensor` (axes `letters`, batch first) as `[B, T, n]`.
+
+  `T` runs over the axes `positions`, `n` over the axes `last`, each in that
+  order; like `_sequence_rows`, `T` stays static when the batch size is not.
+  """
+  order = [0] + [letters.index(c) for c in positions + last]
+  if order != list(range(len(letters))):
+    tensor = tf.transpose(tensor, order)
+  shape = tensor.shape
+  steps = shape[1:1 + len(positions)].num_elements()
+  width = shape[1 + len(positions):].num_elements()
+  rows = tf.reshape(tensor, [tf.shape(tensor)[0], -1, width])
+  rows.set_shape([shape[0], steps, width])
+  return rows
+
+
+def _einsum_units(call: RuleCall) -> List[unit_lib.Unit]:
+  layer = call.layer
+  axes = _einsum_axes(layer, call.inputs)
+  kernel_shape = (layer._kernel if getattr(layer, 'lora_enabled', False)  # pylint: disable=protected-access
+                  else layer.kernel).shape
+  return _product_units(
+      call,
+      lambda x: _letter_rows(x, axes.inputs, axes.positions, axes.contracted),
+      _letter_rows(call.tap_grad, axes.outputs, axes.positions, axes.free),
+      kernel_shape[len(axes.contracted):])
 
 
 # --- Embedding ---------------------------------------------------------------
@@ -304,7 +497,9 @@ def _embedding_unit(call: RuleCall) -> unit_lib.Unit:
 
 def _embedding_supports(layer, inputs):
   del inputs
-  return not getattr(layer, 'sparse', False)  # Keras 3 has none.
+  # Keras 3 has no sparse embeddings; its LoRA ones take the fallback.
+  return not (getattr(layer, 'sparse', False) or
+              getattr(layer, 'lora_enabled', False))
 
 
 # --- LayerNormalization / GroupNormalization ---------------------------------
@@ -372,11 +567,14 @@ def _group_norm_supports(layer, inputs):
           getattr(inputs, '_keras_mask', None) is None)
 
 
-register(tf.keras.layers.Dense, LayerRule(_dense_forward, unit=_dense_unit))
+register(tf.keras.layers.Dense, LayerRule(_dense_forward, unit=_dense_units))
 register(tf.keras.layers.Conv1D,
          LayerRule(_conv_forward, supports=_conv_supports, unit=_conv_unit))
 register(tf.keras.layers.Conv2D,
          LayerRule(_conv_forward, supports=_conv_supports, unit=_conv_unit))
+register(tf.keras.layers.EinsumDense,
+         LayerRule(_einsum_forward, supports=_einsum_supports,
+                   unit=_einsum_units))
 register(tf.keras.layers.Embedding,
          LayerRule(_called_normally, supports=_embedding_supports,
                    unit=_embedding_unit))

@@ -21,7 +21,7 @@ weights) gets the sum of every call's share. See docs/per_example.md.
 
 import logging
 import re
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -65,7 +65,11 @@ class _FallbackCall(NamedTuple):
 
   `variables` are the wanted variables it reads and its layer's trainable
   weights; `tape` recorded the call's own ops (with those variables as its
-  only sources); `ops` are the graph ops the call created (None in eager mode).
+  only sources); `ops` are the graph ops the call created (None in eager mode);
+  `masks` are `(position, mask)` of the batched arguments (in the flat
+  arguments) that carried a Keras mask when the call began: a layer such as
+  `MultiHeadAttention` reads its inputs' masks itself (Keras 3's also deletes
+  them), so each example's recomputation must carry its row of them.
   """
   layer: tf.keras.layers.Layer
   args: Any
@@ -74,6 +78,7 @@ class _FallbackCall(NamedTuple):
   variables: List[tf.Variable]
   tape: tf.GradientTape
   ops: Optional[List[tf.Operation]]
+  masks: List[Tuple[int, tf.Tensor]]
 
 
 class _Recorder:
@@ -114,6 +119,16 @@ class _Recorder:
                                    args[0])
       if any(m is not None for m in tf.nest.flatten(mask)):
         kwargs['mask'] = mask
+    if self.use_rules and layer_rules.composite(layer):
+      return self._descend(layer, args, kwargs)
+    return self._record(layer, args, kwargs,
+                        lambda: layer(*args, **kwargs))
+
+  def _record(self, layer, args, kwargs, run):
+    """The outputs of one layer call; records its rule tap or its fallback.
+
+    `run()` computes the call's outputs where no rule applies.
+    """
     # A Keras 3 functional graph also holds bare operations (`x + y`).
     weights = getattr(layer, 'trainable_weights', [])
     rule = None
@@ -122,21 +137,26 @@ class _Recorder:
       rule = layer_rules.lookup(layer, args[0])
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     first_op = len(graph.get_operations()) if graph is not None else 0
+    flat = tf.nest.flatten((args, kwargs))
+    masks = [(i, flat[i]._keras_mask) for i in _batched_positions(args, kwargs)  # pylint: disable=protected-access
+             if getattr(flat[i], '_keras_mask', None) is not None]
     # The call's own tape: which variables it reads (also another layer's,
     # e.g. tied weights) and, for a random call, its recorded ops.
     with tf.GradientTape(persistent=True) as own:
       if rule is not None:
         outputs, tap = rule.forward(layer, args[0])
       else:
-        outputs = layer(*args, **kwargs)
+        outputs = run()
     read = [self.wanted[k] for k in
             _unique_keys(own.watched_variables()) if k in self.wanted]
     if rule is not None:
       self.tape.watch(tap)
-      mask = layer.compute_mask(args[0], getattr(args[0], '_keras_mask',
-                                                 None))
-      if mask is not None:
-        outputs._keras_mask = mask  # pylint: disable=protected-access
+      # As Keras passes masks on: only through layers that support them.
+      if getattr(layer, 'supports_masking', False):
+        mask = layer.compute_mask(args[0], getattr(args[0], '_keras_mask',
+                                                   None))
+        if mask is not None:
+          outputs._keras_mask = mask  # pylint: disable=protected-access
       self.rule_calls.append((layer, rule, args[0], tap))
       # The rule's gradients cover its layer's weights and nothing else.
       owned = {_key(v) for v in weights}
@@ -148,7 +168,48 @@ class _Recorder:
       self.fallback_calls.append(_FallbackCall(
           layer, args, kwargs, float_outputs,
           _unique(keras_version.tf_variables(weights) +
-                  read), own, ops))
+                  read), own, ops, masks))
+    return outputs
+
+  def _descend(self, layer, args, kwargs):
+    """Calls a composite layer, recording each call of a sublayer with
+    trainable weights as a layer call of its own (a rule's tap or a fallback).
+
+    The sublayers' `call` is replaced for the duration of the layer's call:
+    the layer's own `call` runs unchanged (its masks, softmax and dropout),
+    and what reaches the weights goes through the sublayers' records.
+    """
+    units_before = len(self.rule_calls), len(self.fallback_calls)
+    replaced = [sub for sub in layer._flatten_layers(  # pylint: disable=protected-access
+        include_self=False, recursive=False) if sub.trainable_weights]
+    if any('call' in vars(sub) for sub in replaced):
+      raise ValueError(
+          f'a sublayer of layer {layer.name!r} has its own `call` attribute; '
+          'tfdpx records sublayer calls by replacing it for the call.')
+    for sub in replaced:
+      original = sub.call
+
+      @tf.autograph.experimental.do_not_convert
+      def recorded(*sub_args, _sub=sub, _original=original, **sub_kwargs):
+        return self._record(_sub, sub_args, sub_kwargs,
+                            lambda: _original(*sub_args, **sub_kwargs))
+
+      sub.call = recorded
+    try:
+      with tf.GradientTape() as own:
+        outputs = layer(*args, **kwargs)
+    finally:
+      for sub in replaced:
+        del sub.call  # The class's method again.
+    # Weights the layer read itself, outside its sublayers' calls.
+    covered = {_key(v) for sub_layer, _, _, _ in
+               self.rule_calls[units_before[0]:]
+               for v in sub_layer.trainable_weights}
+    covered |= {_key(v) for call in self.fallback_calls[units_before[1]:]
+                for v in call.variables}
+    self.unattributed.extend(
+        self.wanted[k] for k in _unique_keys(own.watched_variables())
+        if k in self.wanted and k not in covered)
     return outputs
 
   def read_outside(self, read: Sequence[tf.Variable]) -> None:
@@ -296,7 +357,8 @@ def _example_grads(call: _FallbackCall):
   """
   layer, variables = call.layer, call.variables
   flat = tf.nest.flatten((call.args, call.kwargs))
-  batched = _batched_positions(call)
+  batched = _batched_positions(call.args, call.kwargs)
+  masked = [i for i, _ in call.masks]
 
   def one_example(elems, rows=1):
     # The example as a batch of `rows` copies; only the first copy's output
@@ -304,8 +366,11 @@ def _example_grads(call: _FallbackCall):
     example = list(flat)
     for i, tensor in zip(batched, elems):
       example[i] = tf.stack([tensor] * rows)
+    masks = elems[len(batched):len(batched) + len(masked)]
+    for i, mask in zip(masked, masks):
+      example[i]._keras_mask = tf.stack([mask] * rows)  # pylint: disable=protected-access
     grads_in = [tf.stack([g] + [tf.zeros_like(g)] * (rows - 1))
-                for g in elems[len(batched):]]
+                for g in elems[len(batched) + len(masked):]]
     call_args, call_kwargs = tf.nest.pack_sequence_as((call.args, call.kwargs),
                                                       example)
     with tf.GradientTape() as tape:
@@ -358,9 +423,9 @@ def _one_row_batches_crash() -> bool:
   return _pywrap_util_port.IsMklEnabled()
 
 
-def _batched_positions(call: _FallbackCall) -> List[int]:
+def _batched_positions(args, kwargs) -> List[int]:
   """Positions in the flat call arguments of the tensors with a batch axis."""
-  return [i for i, t in enumerate(tf.nest.flatten((call.args, call.kwargs)))
+  return [i for i, t in enumerate(tf.nest.flatten((args, kwargs)))
           if tf.is_tensor(t) and not isinstance(t, tf.Variable) and
           t.shape.rank]
 
@@ -430,7 +495,8 @@ def _fallback_unit(call: _FallbackCall, output_grads, chunk_size,
     return materialized_forms.MaterializedUnit(
         call.variables, lambda _: grads, [], chunk_size=None)
   flat = tf.nest.flatten((call.args, call.kwargs))
-  elems = [flat[i] for i in _batched_positions(call)] + list(output_grads)
+  elems = ([flat[i] for i in _batched_positions(call.args, call.kwargs)] +
+           [mask for _, mask in call.masks] + list(output_grads))
   example_grads = _example_grads(call)
   unit = materialized_forms.MaterializedUnit(
       call.variables, lambda chunk: unscaled(example_grads(chunk)), elems,
@@ -555,12 +621,12 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
   grads = tape.gradient(total, [taps, fallback_outputs],
                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
   units = [
-      rule.make_unit(layer_rules.RuleCall(
+      unit for (layer, rule, layer_inputs, tap), tap_grad in zip(
+          recorder.rule_calls, grads[0])
+      for unit in rule.make_units(layer_rules.RuleCall(
           layer, _float32(layer_inputs), tap,
           _float32(tap_grad) / loss_scale if loss_scale != 1 else
           _float32(tap_grad), tape, chunk_size, expected_batch_size))
-      for (layer, rule, layer_inputs, tap), tap_grad in zip(
-          recorder.rule_calls, grads[0])
   ] + [
       _fallback_unit(call, out_grads, chunk_size, draws, loss_scale,
                      expected_batch_size)
