@@ -36,7 +36,8 @@ Every results file starts with the machine it ran on (`machine_record`):
 figures from different machines are never compared.
 
 Peak memory (`--memory`) is the maximum resident set (VmHWM) of a fresh
-process that trains one configuration for a few steps at batch 1024.
+process that trains one configuration for a few steps at batch 1024
+(`--memory_batch`).
 """
 
 import os
@@ -80,7 +81,9 @@ flags.DEFINE_list(
     'CNN by default: under XLA on a CPU its steps take seconds (7 s at batch '
     '256 on the 2-core machine), so its rounds alone would take half an hour.')
 flags.DEFINE_list('memory_models', ['cnn', 'text'],
-                  'Models whose peak memory at batch 1024 is measured.')
+                  'Models whose peak memory at --memory_batch is measured.')
+flags.DEFINE_integer('memory_batch', 1024,
+                     'Batch size of the memory measurements (the encoder: 64).')
 flags.DEFINE_bool('memory', True, 'Measure peak memory.')
 flags.DEFINE_string('out', None, 'Also write the tables to this file.')
 flags.DEFINE_string(
@@ -354,11 +357,12 @@ def speed_and_memory_tables(emit):
   if FLAGS.memory:
     pipeline = FLAGS.pipeline[0]
     emit()
-    emit(f'| model | configuration | peak MiB, batch 1024, {pipeline} | '
-         'x non-private |')
+    emit(f'| model | configuration | peak MiB, batch {FLAGS.memory_batch}, '
+         f'{pipeline} | x non-private |')
     emit('|---|---|---:|---:|')
     for model_name in FLAGS.memory_models:
-      peaks = {config: peak_rss_mib(model_name, 1024, config, pipeline)
+      peaks = {config: peak_rss_mib(model_name, FLAGS.memory_batch, config,
+                                    pipeline)
                for config in configs(model_name)
                if not config.endswith(' xla')}
       baseline = min(peaks[config] for config in BASELINES)
