@@ -10,7 +10,7 @@ Prints the epsilon of the private phase (the pretrain saw no private example)
 and the test accuracy, saves the adapted model as `.keras`, reloads it and
 checks that it predicts the same, and exports a serving SavedModel.
 
-  python -m examples.lora_finetune --lora_epochs=20 --lora_out_dir=out/lora
+  python -m examples.lora_finetune --lora_out_dir=out/lora
 """
 
 import os
@@ -36,11 +36,11 @@ L = tf.keras.layers
 FLAGS = flags.FLAGS
 flags.DEFINE_integer('lora_rank', 4, 'LoRA rank.')
 flags.DEFINE_integer('lora_pretrain_epochs', 30, 'Non-private epochs on 0-4.')
-flags.DEFINE_integer('lora_epochs', 20, 'Private epochs on 5-9.')
+flags.DEFINE_integer('lora_epochs', 15, 'Private epochs on 5-9.')
 flags.DEFINE_float('lora_batch_size', 64, 'Expected Poisson batch size.')
 flags.DEFINE_float('lora_clip', 1.0, 'Clip norm of each example.')
-flags.DEFINE_float('lora_noise_multiplier', 1.0, 'DP-SGD noise multiplier.')
-flags.DEFINE_float('lora_learning_rate', 0.5, 'Private learning rate.')
+flags.DEFINE_float('lora_noise_multiplier', 1.5, 'DP-SGD noise multiplier.')
+flags.DEFINE_float('lora_learning_rate', 1.0, 'Private learning rate.')
 flags.DEFINE_float('lora_delta', 1e-5, 'Delta of the reported epsilon.')
 flags.DEFINE_string('lora_out_dir', 'out/lora', 'Where the models go.')
 
