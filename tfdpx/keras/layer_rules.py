@@ -412,9 +412,10 @@ class _EinsumAxes(NamedTuple):
 def _einsum_axes(layer, inputs) -> Optional[_EinsumAxes]:
   """`layer.equation` as `_EinsumAxes`, or None if it is not of that form.
 
-  Not of that form: a letter repeated in an operand, an input letter summed
-  away or shared by all three operands, a kernel whose free letters are not
-  all after its contracted ones, or a bias over other than the free letters.
+  Not of that form: a letter repeated in an operand, an output that does not
+  start with the batch, an input letter summed away or shared by all three
+  operands, a kernel whose free letters are not all after its contracted
+  ones, or a bias over other than the free letters.
   """
   equation = layer.equation.replace(' ', '')
   operands, outputs = equation.split('->')
@@ -431,7 +432,7 @@ def _einsum_axes(layer, inputs) -> Optional[_EinsumAxes]:
   contracted = ''.join(c for c in kernel if c in x and c not in outputs)
   free = ''.join(c for c in kernel if c in outputs and c not in x)
   bias_axes = ''.join(c for c in outputs if c in (layer.bias_axes or ''))
-  if (batch in kernel or batch not in outputs or not contracted or
+  if (batch in kernel or outputs[0] != batch or not contracted or
       len(x) != 1 + len(positions) + len(contracted) or
       kernel != contracted + free or
       len(outputs) != 1 + len(positions) + len(free) or
@@ -441,10 +442,17 @@ def _einsum_axes(layer, inputs) -> Optional[_EinsumAxes]:
   return _EinsumAxes(x, outputs, positions, contracted, free)
 
 
-def _einsum_supports(layer, inputs):
+def _not_quantized(layer, inputs):
   # Keras 3's quantized kernels have no float per-example gradient.
-  return (getattr(layer, 'quantization_mode', None) is None and
-          _einsum_axes(layer, inputs) is not None)
+  del inputs
+  return getattr(layer, 'quantization_mode', None) is None
+
+
+def _einsum_supports(layer, inputs):
+  axes = _einsum_axes(layer, inputs)
+  # LoRA's b spans the kernel's last axis, which must be an output axis.
+  return (_not_quantized(layer, inputs) and axes is not None and
+          (axes.free or not getattr(layer, 'lora_enabled', False)))
 
 
 def _einsum_forward(layer, inputs):
@@ -567,7 +575,8 @@ def _group_norm_supports(layer, inputs):
           getattr(inputs, '_keras_mask', None) is None)
 
 
-register(tf.keras.layers.Dense, LayerRule(_dense_forward, unit=_dense_units))
+register(tf.keras.layers.Dense,
+         LayerRule(_dense_forward, supports=_not_quantized, unit=_dense_units))
 register(tf.keras.layers.Conv1D,
          LayerRule(_conv_forward, supports=_conv_supports, unit=_conv_unit))
 register(tf.keras.layers.Conv2D,
