@@ -63,10 +63,10 @@ def adapt_with_lora(model: tf.keras.Model, rank: int) -> None:
     layer.trainable = layer.name == 'head'
   attention = model.get_layer('attention')
   attention.trainable = True
-  for projection in attention._flatten_layers(include_self=False):  # pylint: disable=protected-access
-    projection.trainable = projection.name in ('query', 'value')
-    if projection.trainable:
-      projection.enable_lora(rank)  # Freezes its kernel, adds a and b.
+  attention.key_dense.trainable = False
+  attention.output_dense.trainable = False
+  for projection in (attention.query_dense, attention.value_dense):
+    projection.enable_lora(rank)  # Freezes its kernel, adds a and b.
 
 
 def _loss():
