@@ -169,16 +169,22 @@ def _dense_forward(layer, inputs):
   return layer.activation(pre), pre
 
 
-def _sequence_rows(tensor: tf.Tensor) -> tf.Tensor:
-  """`[B, ..., n]` as `[B, T, n]`: a Dense layer acts on each position.
+def _as_rows(tensor: tf.Tensor, width: int) -> tf.Tensor:
+  """`[B, ...]` as `[B, T, width]`, T positions of `width` entries.
 
   `T` stays static when the batch size is not (`tf.data ... .batch(B)`,
   Keras's numpy adapter): the forms are chosen from it (`tfdpx.forms.dense`).
   """
-  rows = tf.reshape(tensor, [tf.shape(tensor)[0], -1, tensor.shape[-1]])
-  rows.set_shape([tensor.shape[0], tensor.shape[1:-1].num_elements(),
-                  tensor.shape[-1]])
+  rows = tf.reshape(tensor, [tf.shape(tensor)[0], -1, width])
+  size = tensor.shape[1:].num_elements()
+  rows.set_shape([tensor.shape[0], None if size is None else size // width,
+                  width])
   return rows
+
+
+def _sequence_rows(tensor: tf.Tensor) -> tf.Tensor:
+  """`[B, ..., n]` as `[B, T, n]`: a Dense layer acts on each position."""
+  return _as_rows(tensor, tensor.shape[-1])
 
 
 def _trainable(variable) -> bool:
@@ -222,16 +228,9 @@ def _product_units(call: RuleCall, rows_of, tap_rows: tf.Tensor,
   e, rank = b.shape[-1], b.shape[0]
   p = a.shape.num_elements() // (rank * math.prod(free_shape[:-1]))
 
-  def positions(tensor, width):  # [B, T, q * width] as [B, T q, width].
-    rows = tf.reshape(tensor, [tf.shape(tensor)[0], -1, width])
-    steps = tensor.shape[1]
-    rows.set_shape([tensor.shape[0], steps and steps * (
-        tensor.shape[-1] // width), width])
-    return rows
-
   def lora_rows(elems):  # s A a, [B, T q, r].
     rows = tf.cast(rows_of(elems[0]), tf.float32)
-    return positions(scale * tf.matmul(
+    return _as_rows(scale * tf.matmul(
         rows, tf.reshape(tf.cast(a, tf.float32), [p, -1])), rank)
 
   d = tf.cast(tap_rows, tf.float32)
@@ -241,16 +240,14 @@ def _product_units(call: RuleCall, rows_of, tap_rows: tf.Tensor,
         layer._kernel, None, lambda elems: rows_of(elems[0]), inputs,  # pylint: disable=protected-access
         tap_rows, call.chunk_size))
   if _trainable(a):
-    back = scale * tf.matmul(positions(d, e), tf.cast(b, tf.float32),
+    back = scale * tf.matmul(_as_rows(d, e), tf.cast(b, tf.float32),
                              transpose_b=True)  # s D b^T, [B, T q, r]
-    back_rows = tf.reshape(back, tf.concat([tf.shape(d)[:2], [-1]], 0))
-    back_rows.set_shape(d.shape[:2].concatenate([d.shape[-1] // e * rank]))
     units.append(dense_forms.ProductUnit(
-        a, None, lambda elems: rows_of(elems[0]), inputs, back_rows,
-        call.chunk_size))
+        a, None, lambda elems: rows_of(elems[0]), inputs,
+        _as_rows(back, d.shape[-1] // e * rank), call.chunk_size))
   if _trainable(b):
     units.append(dense_forms.ProductUnit(b, None, lora_rows, inputs,
-                                         positions(d, e), call.chunk_size))
+                                         _as_rows(d, e), call.chunk_size))
   if bias is not None:
     units.append(_bias_unit(bias, tap_rows))
   return units
@@ -475,12 +472,7 @@ def _letter_rows(tensor: tf.Tensor, letters: str, positions: str,
   order = [0] + [letters.index(c) for c in positions + last]
   if order != list(range(len(letters))):
     tensor = tf.transpose(tensor, order)
-  shape = tensor.shape
-  steps = shape[1:1 + len(positions)].num_elements()
-  width = shape[1 + len(positions):].num_elements()
-  rows = tf.reshape(tensor, [tf.shape(tensor)[0], -1, width])
-  rows.set_shape([shape[0], steps, width])
-  return rows
+  return _as_rows(tensor, tensor.shape[1 + len(positions):].num_elements())
 
 
 def _einsum_units(call: RuleCall) -> List[unit_lib.Unit]:
