@@ -97,6 +97,8 @@ flags.DEFINE_float('gep_residual_l2_norm_clip', None,
                    'GEP: clip norm of the residual (default l2_norm_clip / 5);'
                    ' --l2_norm_clip clips the embedding.')
 flags.DEFINE_integer('gep_num_groups', 3, 'GEP: parameter groups.')
+flags.DEFINE_integer('gep_basis_refresh_steps', 1,
+                     'GEP: compute the bases every this many steps.')
 flags.DEFINE_integer('public_examples', 0,
                      'Examples taken from the training set as public data '
                      '(GEP anchors); they are not trained on privately.')
@@ -186,7 +188,8 @@ def build_privatizer(noise_multiplier, steps_per_epoch):
     residual = FLAGS.gep_residual_l2_norm_clip or clip / 5
     privatizer = tfdpx.privatizers.gep(
         FLAGS.gep_num_bases, clip, residual, noise_multiplier,
-        num_groups=FLAGS.gep_num_groups)
+        num_groups=FLAGS.gep_num_groups,
+        basis_refresh_steps=FLAGS.gep_basis_refresh_steps)
   else:
     paper = FLAGS.geodp_mode == 'paper'
     privatizer = tfdpx.privatizers.geodp(

@@ -24,7 +24,7 @@ all-reduce them with `tfdpx.noise.replica_sum` under `tf.distribute`.
 """
 
 import abc
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
@@ -363,3 +363,63 @@ def as_per_example_gradients(
   if isinstance(grads, PerExampleGradients):
     return grads
   return MaterializedGradients(grads)
+
+
+
+class Deferred(PerExampleGradients):
+  """Per-example gradients built where they are first used.
+
+  A model made private hands its public gradients this way: their forward
+  and backward passes are built by the first method called, in the graph
+  context of that call, so a branch that never calls one (GEP between
+  refreshes of its basis, in a `tf.cond`) never runs them. Use the value
+  in one graph context only. `masked` stays deferred.
+  """
+
+  def __init__(self, build: Callable[[], Union[PerExampleGradients,
+                                                 Sequence[tf.Tensor]]]):
+    self._build = build
+    self._value = None
+
+  def get(self) -> PerExampleGradients:
+    if self._value is None:
+      self._value = as_per_example_gradients(self._build())
+    return self._value
+
+  @property
+  def shapes(self):
+    return self.get().shapes
+
+  @property
+  def dtypes(self):
+    return self.get().dtypes
+
+  def batch_size(self):
+    return self.get().batch_size()
+
+  def sq_norms(self):
+    return self.get().sq_norms()
+
+  def dots(self, directions, rows=None):
+    return self.get().dots(directions, rows)
+
+  def masked_sq_norms(self, masks):
+    return self.get().masked_sq_norms(masks)
+
+  def weighted_sum(self, weights):
+    return self.get().weighted_sum(weights)
+
+  def weighted_sums(self, weights, rows=None):
+    return self.get().weighted_sums(weights, rows)
+
+  def materialized(self):
+    return self.get().materialized()
+
+  def cross_gram_forms(self, other):
+    return self.get().cross_gram_forms(other)
+
+  def cross_grams(self, other, spans, dtype=tf.float32):
+    return self.get().cross_grams(other, spans, dtype)
+
+  def masked(self, masks):
+    return Deferred(lambda: self.get().masked(masks))

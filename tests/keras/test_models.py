@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import tfdpx
 from tfdpx import core
+from tfdpx.keras import recorder
 from tfdpx.keras.stack import optimizers
 from tfdpx.privatizers import gaussian
 
@@ -263,6 +264,30 @@ def test_public_data_reaches_the_privatizer_unclipped():
   model.fit(x, y, batch_size=12, epochs=1, verbose=0)
   for s, w, want in zip(start, model.get_weights(), expected):
     np.testing.assert_allclose(s - w, want.numpy(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize('refresh_steps', [1, 3])
+def test_gep_runs_the_public_pass_on_refresh_steps_only(refresh_steps,
+                                                         monkeypatch):
+  """Eagerly, step by step: the anchors' forward and backward passes run on
+  the steps that compute GEP's basis, not on those that keep it."""
+  calls = []
+  public_gradients = recorder.public_gradients
+
+  def counted(*args, **kwargs):
+    calls.append(1)
+    return public_gradients(*args, **kwargs)
+
+  monkeypatch.setattr(recorder, 'public_gradients', counted)
+  model = tfdpx.keras.make_private(_cnn(), public_data=_data(n=7, seed=1))
+  model.compile(
+      tfdpx.keras.DPSGD(privatizer=tfdpx.privatizers.gep(
+          4, 1.0, 0.5, 1.0, basis_refresh_steps=refresh_steps),
+                        expected_batch_size=2, learning_rate=0.1),
+      _loss(), run_eagerly=True)
+  x, y = _data(n=14)
+  model.fit(x, y, batch_size=2, epochs=1, verbose=0)  # Steps 0 to 6.
+  assert len(calls) == {1: 7, 3: 3}[refresh_steps]
 
 
 def test_a_privatizer_needing_public_data_fails_without_it():

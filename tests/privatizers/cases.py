@@ -100,6 +100,16 @@ CASES.append(Case(
     noiseless_expected=plain_sum,
     sensitivity=lambda c: (c**2 + (c / 2)**2)**0.5,
     noise_std=gep_noise_std, needs_public=True))
+# A basis every 3 steps: step 2 releases with the basis kept from step 0,
+# step 3 with a new one.
+CASES.append(Case(
+    'gep_refresh', lambda z, c: privatizers.gep(4, c, c / 2, z, num_groups=2,
+                                                basis_refresh_steps=3),
+    steps=(0, 2, 3), noiseless_expected=plain_sum,
+    sensitivity=lambda c: (c**2 + (c / 2)**2)**0.5,
+    noise_std=gep_noise_std, needs_public=True))
+
+
 def sparsified_case(case: Case, final_sparsity: float = 0.5) -> Case:
   """`case` wrapped in random sparsification, checked inside a masked window.
 

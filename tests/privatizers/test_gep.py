@@ -366,6 +366,72 @@ def test_basis_is_clamped_to_the_number_of_anchors():
   assert [b.shape[1] for b in bases] == [30, 30, 30]
 
 
+# --- basis_refresh_steps ------------------------------------------------------
+
+
+def _refresh_run(privatizer, steps, make_public):
+  """Releases of `steps` steps with a new private batch and key each step;
+  `make_public(step)` gives that step's public gradients."""
+  state, outs = privatizer.init([tf.zeros(s) for s in SHAPES]), []
+  for step in range(steps):
+    out, state = privatizer.update(
+        _grads(100 + step, N), state, tf.constant([7, step], tf.int64),
+        public_grads=make_public(step))
+    outs.append([o.numpy() for o in out])
+  return outs
+
+
+def test_a_kept_basis_is_the_one_its_refresh_step_computed():
+  """At zero noise a key only draws the basis: step t of a run refreshing
+  every 3 steps releases what a basis every step releases from step t's
+  private batch with the last refresh's public gradients and key."""
+  # An embedding clip norm near the examples' embedding norms: the basis
+  # decides which are clipped, and by how much. (No residual clip: a basis
+  # in the anchors' coordinates rounds the residual norm up at another
+  # scale than the explicit one a kept basis becomes.)
+  kept = privatizers.gep(40, 1.0, INF, 0.0, basis_refresh_steps=3)
+  every_step = privatizers.gep(40, 1.0, INF, 0.0)
+  outs = _refresh_run(kept, 5, lambda step: _grads(200 + step, M))
+  for step, out in enumerate(outs):
+    refresh = step - step % 3
+    expected, _ = every_step.update(
+        _grads(100 + step, N), {}, tf.constant([7, refresh], tf.int64),
+        public_grads=_grads(200 + refresh, M))
+    assert stats.relative_error(out, [e.numpy() for e in expected]) <= 1e-5
+  # Not trivially so: a basis from this step's public gradients differs.
+  fresh, _ = every_step.update(_grads(101, N), {}, tf.constant([7, 1],
+                                                               tf.int64),
+                               public_grads=_grads(201, M))
+  assert stats.relative_error(outs[1], [f.numpy() for f in fresh]) > 1e-3
+
+
+def test_steps_between_refreshes_build_no_anchor_gradients():
+  """Public gradients handed over deferred (as a model made private hands
+  them) are built on refresh steps only."""
+  builds = []
+
+  def make_public(step):
+    def build():
+      builds.append(step)
+      return _grads(200 + step, M)
+    return gradients.Deferred(build)
+
+  _refresh_run(privatizers.gep(40, 1.0, 0.5, 1.0, basis_refresh_steps=3), 7,
+               make_public)
+  assert builds == [0, 3, 6]
+
+
+def test_a_basis_clamped_to_the_anchors_is_kept_padded_with_zeros():
+  """Fewer anchors than basis vectors: the kept basis has the requested
+  width with zero columns, which carry no embedding and no noise."""
+  kept = privatizers.gep(600, INF, INF, 0.0, basis_refresh_steps=2)
+  with pytest.warns(UserWarning, match='clamped'):
+    outs = _refresh_run(kept, 2, lambda step: _grads(21, 30))
+  for step, out in enumerate(outs):
+    for a, b in zip(out, _sum(_grads(100 + step, N))):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
 # --- public data, arguments, config -----------------------------------------
 
 
@@ -385,6 +451,8 @@ def test_missing_public_gradients_is_a_clear_error():
     ({'noise_multiplier': -1.0}, 'noise_multiplier'),
     ({'noise_multiplier': None}, 'noise_multiplier'),
     ({'power_iterations': 0}, 'power_iterations'),
+    ({'basis_refresh_steps': 0}, 'basis_refresh_steps'),
+    ({'basis_refresh_steps': 2.5}, 'basis_refresh_steps'),
     ({'num_groups': 0}, 'num_groups'),
     ({'groups': [[0], []]}, 'groups'),
     ({'groups': [[0]], 'num_groups': 2}, 'num_groups'),
@@ -412,6 +480,10 @@ def test_explicit_multipliers_round_trip_and_rescale():
                                residual_noise_multiplier=2.0)
   assert privatizer.noise_multiplier == pytest.approx(2 / math.sqrt(5))
   assert tfdpx.deserialize(tfdpx.serialize(privatizer)) == privatizer
+  refreshed = privatizers.gep(60, 5.0, 2.0, 1.0, basis_refresh_steps=4)
+  assert tfdpx.deserialize(tfdpx.serialize(refreshed)) == refreshed
+  assert refreshed.with_noise_multiplier(2.0).config[
+      'basis_refresh_steps'] == 4
   scaled = privatizer.with_noise_multiplier(1.0)
   assert scaled.noise_multiplier == pytest.approx(1.0)
   assert (scaled.residual_noise_multiplier /

@@ -280,16 +280,22 @@ class _PrivateTraining(keras_version.ModelHooks):
     return per_example.microbatched(records, optimizer._num_microbatches)  # pylint: disable=protected-access
 
   def _public_gradients(self, var_list):
+    """The public data's per-example gradients, deferred: the privatizer
+    builds their passes where it needs them (GEP: on steps that refresh its
+    basis only)."""
     if self._dp_public_data is None:
       return None
     x_public, y_public = self._dp_public_data
-    public_grads = recorder.public_gradients(
-        self, x_public, y_public,
-        lambda y_true, outputs: keras_version.per_example_loss(
-            self, y_true, outputs),
-        var_list, self._dp_public_chunk_size, self._dp_use_layer_rules,
-        self._loss_scale())
-    return self._records(public_grads)
+
+    def build():
+      return self._records(recorder.public_gradients(
+          self, x_public, y_public,
+          lambda y_true, outputs: keras_version.per_example_loss(
+              self, y_true, outputs),
+          var_list, self._dp_public_chunk_size, self._dp_use_layer_rules,
+          self._loss_scale()))
+
+    return gradients.Deferred(build)
 
   def _virtual_step(self, optimizer, x, y, sample_weight, var_list,
                     public_grads):

@@ -117,31 +117,43 @@ def _after(tensors: Sequence[tf.Tensor]):
   all their `[p_j, k_j]` temporaries alive at once (measured: 3x the memory
   of one group on the text model); chained, one group's are alive at a time.
   """
-  return tf.control_dependencies(list(tensors))
+  return tf.control_dependencies([t for t in tensors if t is not None])
 
 
-def _embeddings(grads: gradients.PerExampleGradients, basis: tf.Tensor,
-                group: Sequence[Segment]) -> tf.Tensor:
-  """`B_j^T g_j` of one group, float32 `[B, k_j]`, from per-variable dots.
+def _directions(basis: tf.Tensor, group: Sequence[Segment],
+                shapes: Sequence[tf.TensorShape]) -> List[tf.Tensor]:
+  """A group's basis as directions: per segment, `[k_j, *window]`.
 
-  Each variable of the group gets as directions the basis columns restricted
-  to its segment, on the slices of the variable's first axis that hold the
-  segment (zero elsewhere in them).
+  The basis columns restricted to the segment, on the slices of the
+  variable's first axis that hold it (`_window`; zero elsewhere in them):
+  the layout `PerExampleGradients.dots` takes with `rows`.
   """
-  shapes = grads.shapes
-  if basis.shape[1] == 0:  # A group given no basis vector.
-    return tf.zeros([grads.batch_size(), 0])
-  directions, rows = [None] * len(shapes), [None] * len(shapes)
-  offset = 0
+  directions, offset = [], 0
   for v, start, stop in group:
     columns = tf.transpose(basis[offset:offset + stop - start])
-    rows[v], first, window = _window(shapes[v], start, stop)
+    _, first, window = _window(shapes[v], start, stop)
     size = math.prod(window)
-    directions[v] = tf.reshape(
+    directions.append(tf.reshape(
         tf.pad(columns, [[0, 0], [start - first, first + size - stop]]),
-        [-1, *window])
+        [-1, *window]))
     offset += stop - start
-  return tf.add_n([d for d in grads.dots(directions, rows) if d is not None])
+  return directions
+
+
+def _embeddings(grads: gradients.PerExampleGradients,
+                directions: Sequence[tf.Tensor],
+                group: Sequence[Segment]) -> tf.Tensor:
+  """`B_j^T g_j` of one group, float32 `[B, k_j]`, from per-variable dots
+  with its `_directions`."""
+  shapes = grads.shapes
+  if directions[0].shape[0] == 0:  # A group given no basis vector.
+    return tf.zeros([grads.batch_size(), 0])
+  per_variable, rows = [None] * len(shapes), [None] * len(shapes)
+  for (v, start, stop), d in zip(group, directions):
+    rows[v] = _window(shapes[v], start, stop)[0]
+    per_variable[v] = d
+  return tf.add_n([d for d in grads.dots(per_variable, rows)
+                   if d is not None])
 
 
 def _anchor_sums(public: gradients.PerExampleGradients, weights: tf.Tensor,
@@ -182,6 +194,10 @@ def _cross_gram(grads: gradients.PerExampleGradients,
 class _Subspace(NamedTuple):
   """One group's basis `B_j` (`[p_j, k_j]`, orthonormal columns).
 
+  Or, as `basis_refresh_steps` > 1 keeps it in the state, `directions`
+  (`_directions` of the basis) with `gram`, its `B_j^T B_j` (float32
+  `[k_j, k_j]`) as computed with the basis.
+
   Either `basis` itself, or `B_j = A_j^T W_j` in the anchors' coordinates:
   `coordinates` `W_j` (float64 `[m, k_j]`) and `anchor_gram` `K_j = A_j
   A_j^T` (float64 `[m, m]`), when the engine has cross Gram forms for every
@@ -192,11 +208,18 @@ class _Subspace(NamedTuple):
   basis: Optional[tf.Tensor] = None
   coordinates: Optional[tf.Tensor] = None
   anchor_gram: Optional[tf.Tensor] = None
+  directions: Optional[List[tf.Tensor]] = None
+  gram: Optional[tf.Tensor] = None
 
 
 class _Plan(NamedTuple):
-  """What a step fixes from public data before it reads private data."""
-  public: gradients.PerExampleGradients
+  """What a step fixes from public data before it reads private data.
+
+  `public`: the anchors' gradients, where a subspace is in their
+  coordinates (None when every basis is explicit).
+  """
+  shapes: List[tf.TensorShape]
+  public: Optional[gradients.PerExampleGradients]
   segments: List[List[Segment]]
   subspaces: List[_Subspace]
 
@@ -339,6 +362,8 @@ def _flat(per_example: Sequence[tf.Tensor]) -> List[tf.Tensor]:
 
 def _basis_gram(sub: _Subspace) -> tf.Tensor:
   """`B^T B` (`[k, k]`, float32) of a group's basis, summed in float64."""
+  if sub.gram is not None:
+    return sub.gram
   if sub.basis is not None:
     return tf.cast(_gram64(sub.basis), tf.float32)
   return tf.cast(tf.matmul(sub.coordinates,
@@ -346,9 +371,27 @@ def _basis_gram(sub: _Subspace) -> tf.Tensor:
                            transpose_a=True), tf.float32)
 
 
-def _lift(public: gradients.PerExampleGradients, sub: _Subspace,
-          group: Sequence[Segment], vector: tf.Tensor) -> tf.Tensor:
-  """`B_j v` (`[p_j]`) for `v` (`[k_j]`): of the basis, or of the anchors."""
+def _explicit_basis(public: gradients.PerExampleGradients, sub: _Subspace,
+                    group: Sequence[Segment]) -> tf.Tensor:
+  """`B_j` itself (`[p_j, k_j]`), formed from the anchors if need be."""
+  if sub.basis is not None:
+    return sub.basis
+  return _anchor_sums(public, tf.cast(sub.coordinates,
+                                      public.dtypes[group[0][0]]), group)
+
+
+def _lift(public: Optional[gradients.PerExampleGradients], sub: _Subspace,
+          group: Sequence[Segment], shapes: Sequence[tf.TensorShape],
+          vector: tf.Tensor) -> tf.Tensor:
+  """`B_j v` (`[p_j]`) for `v` (`[k_j]`): of the basis, of its directions or
+  of the anchors."""
+  if sub.directions is not None:
+    pieces = []
+    for (v, start, stop), d in zip(group, sub.directions):
+      first = _window(shapes[v], start, stop)[1]
+      window = tf.reshape(tf.tensordot(tf.cast(vector, d.dtype), d, 1), [-1])
+      pieces.append(window[start - first:stop - first])
+    return tf.concat(pieces, axis=0)
   if sub.basis is not None:
     return tf.linalg.matvec(sub.basis, tf.cast(vector, sub.basis.dtype))
   weights = tf.linalg.matvec(sub.coordinates, tf.cast(vector, tf.float64))
@@ -425,6 +468,7 @@ class GEP(core.Privatizer):
                num_groups: Optional[int] = None,
                groups: Optional[Sequence[Sequence[int]]] = None,
                power_iterations: int = 1,
+               basis_refresh_steps: int = 1,
                biased: bool = False):
     """Args:
       num_bases: total basis size k, split over the groups in proportion to
@@ -446,6 +490,12 @@ class GEP(core.Privatizer):
       groups: layer-aligned groups instead: a list of lists of variable
         indices (in `var_list` order) that partitions all variables.
       power_iterations: power-method steps per update, >= 1 (the paper: 1).
+      basis_refresh_steps: compute the bases on every this many steps (the
+        first included) and keep them in the state for the steps in
+        between, which then form no anchor gradients; >= 1 (the paper: 1,
+        a new basis every step). Whichever step computed it, a basis is a
+        function of public data, a public random stream and the weights
+        (earlier releases), so the event per step is the same.
       biased: B-GEP: release only the embedding.
 
     Raises:
@@ -457,6 +507,10 @@ class GEP(core.Privatizer):
         power_iterations < 1):
       raise ValueError(
           f'power_iterations must be an integer >= 1, got {power_iterations!r}')
+    if (int(basis_refresh_steps) != basis_refresh_steps or
+        basis_refresh_steps < 1):
+      raise ValueError('basis_refresh_steps must be an integer >= 1, got '
+                       f'{basis_refresh_steps!r}')
     if groups is not None and num_groups is not None:
       raise ValueError('pass num_groups or groups, not both')
     if groups is not None:
@@ -486,6 +540,7 @@ class GEP(core.Privatizer):
     self._num_groups = num_groups
     self._groups = groups
     self._power_iterations = int(power_iterations)
+    self._refresh_steps = int(basis_refresh_steps)
     self._biased = bool(biased)
     self._sigma1, self._sigma2, self._explicit = self._split(
         noise_multiplier, embedding_noise_multiplier,
@@ -552,6 +607,7 @@ class GEP(core.Privatizer):
         'num_groups': self._num_groups,
         'groups': self._groups,
         'power_iterations': self._power_iterations,
+        'basis_refresh_steps': self._refresh_steps,
         'biased': self._biased,
     }
 
@@ -629,8 +685,7 @@ class GEP(core.Privatizer):
             [size, 0], public.dtypes[group[0][0]])))
         continue
       stream = noise.substream(seed, f'gep/basis/{j}')
-      with _after([t for t in (subspaces[-1] if subspaces else ())
-                   if t is not None]):
+      with _after(tf.nest.flatten(subspaces[-1:])):
         # One power-method step (or more) from a Gaussian start, then
         # orthonormal columns (spec §1.4). All-zero anchors give an all-zero
         # basis, no subspace (spec §5.2 A5). Public randomness: float32
@@ -668,7 +723,8 @@ class GEP(core.Privatizer):
           # and A^T Y weighted sums of the anchors: no [m, p_j] anchor
           # matrix is formed.
           basis = _orthonormalize(_anchor_sums(
-              public, _embeddings(public, basis, group), group))
+              public, _embeddings(public, _directions(
+                  basis, group, public.shapes), group), group))
         subspaces.append(_Subspace(basis=basis))
     return subspaces
 
@@ -701,9 +757,7 @@ class GEP(core.Privatizer):
     segments = self._segments(public.shapes)
     subspaces = self._subspaces(public, seed, segments,
                                 self._gram_groups(segments, grads, public))
-    return [sub.basis if sub.basis is not None else
-            _anchor_sums(public, tf.cast(sub.coordinates,
-                                         public.dtypes[group[0][0]]), group)
+    return [_explicit_basis(public, sub, group)
             for sub, group in zip(subspaces, segments)]
 
   def decompose(self, per_example_grads: Sequence[tf.Tensor],
@@ -740,30 +794,89 @@ class GEP(core.Privatizer):
       return self._s1
     return math.hypot(self._s1, self._s2)
 
+  def init(self, params):
+    """Nothing, or with `basis_refresh_steps` > 1 the step count and each
+    group's basis and its Gram matrix (zero until the first step), at the
+    unclamped `k_j` (a clamped basis is padded with zero columns, which
+    carry nothing: no embedding, no lifted noise)."""
+    if self._refresh_steps == 1:
+      return {}
+    shapes = [tf.TensorShape(p.shape) for p in params]
+    segments = self._segments(shapes)
+    ks = allocate_bases([sum(b - a for _, a, b in g) for g in segments],
+                        self._num_bases)
+    return {
+        'step': tf.constant(0, tf.int64),
+        'directions': [
+            [tf.zeros([k, *_window(shapes[v], start, stop)[2]],
+                      params[v].dtype) for v, start, stop in group]
+            for group, k in zip(segments, ks)],
+        'grams': [tf.zeros([k, k]) for k in ks]}
+
   def prepare(self, state, seed, per_example_grads, public_grads):
-    """The groups and each group's subspace, from public data only."""
-    del state  # GEP has no state.
+    """The groups and each group's subspace, from public data only: this
+    step's, or on steps between refreshes the state's."""
     if public_grads is None:
       raise ValueError(NO_PUBLIC_DATA_HELP)
     shapes = per_example_grads.shapes
-    if public_grads.shapes != shapes:
-      raise ValueError(
-          'public_grads must have the layout of the private per-example '
-          'gradients: one [m, *var.shape] tensor per variable')
     segments = self._segments(shapes)
-    return _Plan(public_grads, segments, self._subspaces(
-        public_grads, seed, segments,
-        self._gram_groups(segments, per_example_grads, public_grads)))
+
+    def anchors():
+      # A model made private defers them (`gradients.Deferred`): built
+      # here, inside the refreshing branch when the basis is kept; the
+      # engine's value itself, for its cross Gram forms with the private one.
+      public = (public_grads.get()
+                if isinstance(public_grads, gradients.Deferred) else
+                public_grads)
+      if public.shapes != shapes:
+        raise ValueError(
+            'public_grads must have the layout of the private per-example '
+            'gradients: one [m, *var.shape] tensor per variable')
+      return public
+
+    def subspaces(public):
+      return self._subspaces(
+          public, seed, segments,
+          self._gram_groups(segments, per_example_grads, public))
+
+    if self._refresh_steps == 1:
+      public = anchors()
+      return _Plan(shapes, public, segments, subspaces(public))
+
+    def refreshed():
+      public = anchors()
+      directions, grams = [], []
+      for sub, group, kept in zip(subspaces(public), segments,
+                                  state['grams']):
+        with _after(tf.nest.flatten(directions[-1:])):
+          gram = _basis_gram(sub)
+          padding = kept.shape[0] - gram.shape[0]
+          directions.append(_directions(
+              tf.pad(_explicit_basis(public, sub, group),
+                     [[0, 0], [0, padding]]), group, shapes))
+          grams.append(tf.pad(gram, [[0, padding], [0, padding]]))
+      return directions, grams
+
+    # Between refreshes no anchor gradient is formed: every group keeps its
+    # basis, explicit (a basis in the anchors' coordinates needs the
+    # anchors' gradients at the weights that made it).
+    directions, grams = tf.cond(
+        tf.equal(state['step'] % self._refresh_steps, 0), refreshed,
+        lambda: (state['directions'], state['grams']))
+    return _Plan(shapes, None, segments, [
+        _Subspace(directions=d, gram=g) for d, g in zip(directions, grams)])
 
   def clipped_sums(self, per_example_grads, state, plan):
     grads = gradients.as_per_example_gradients(per_example_grads)
-    public, segments, subspaces = plan
+    _, public, segments, subspaces = plan
     embeddings = []
     for group, sub in zip(segments, subspaces):
-      with _after(embeddings[-1:] or [t for t in subspaces[-1]
-                                      if t is not None]):
-        if sub.basis is not None:
-          embeddings.append(_embeddings(grads, sub.basis, group))
+      with _after(embeddings[-1:] or tf.nest.flatten(subspaces[-1])):
+        if sub.directions is not None:
+          embeddings.append(_embeddings(grads, sub.directions, group))
+        elif sub.basis is not None:
+          embeddings.append(_embeddings(
+              grads, _directions(sub.basis, group, grads.shapes), group))
         else:  # B^T g = W^T (A g).
           embeddings.append(tf.cast(tf.matmul(
               tf.cast(_cross_gram(grads, public, group, tf.float32),
@@ -789,7 +902,7 @@ class GEP(core.Privatizer):
         for w, sub in zip(embeddings, subspaces)])
     scale = tf.sqrt(sq_norms)
     for w, sub in zip(embeddings, subspaces):
-      if sub.basis is None:
+      if sub.coordinates is not None:
         scale += tf.cast(
             tf.sqrt(tf.linalg.trace(sub.anchor_gram)) *
             tf.norm(tf.matmul(tf.cast(w, tf.float64), sub.coordinates,
@@ -804,13 +917,17 @@ class GEP(core.Privatizer):
     return sums
 
   def release(self, sums, state, plan, seed):
-    public, segments, subspaces = plan
-    shapes = public.shapes
+    shapes, public, segments, subspaces = plan
+    if self._refresh_steps > 1:
+      state = {'step': state['step'] + 1,
+               'directions': [sub.directions for sub in subspaces],
+               'grams': [sub.gram for sub in subspaces]}
     noisy_embedding = noise.add_gaussian(
         sums['embedding'], self._s1, self._sigma1,
         noise.substream(seed, 'gep/embedding'))
     if self._biased:
-      return _scatter([_lift(public, sub, group, w) for sub, group, w in
+      return _scatter([_lift(public, sub, group, shapes, w)
+                       for sub, group, w in
                        zip(subspaces, segments, noisy_embedding)],
                       segments, shapes), state
     flat_sum = _flat([s[tf.newaxis] for s in sums['residual']])
@@ -819,7 +936,7 @@ class GEP(core.Privatizer):
         self._sigma2, noise.substream(seed, 'gep/residual'))
     # Released: noisy sum of g + B (noisy embedding sum - clipped-residual
     # weighted sum of w), the embedding release plus the residual release.
-    out = [s + _lift(public, sub, group, e - w)
+    out = [s + _lift(public, sub, group, shapes, e - w)
            for s, sub, group, e, w in zip(
                noisy_sums, subspaces, segments, noisy_embedding,
                sums['residual_embedding'])]
