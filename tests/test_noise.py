@@ -51,6 +51,40 @@ def test_tails_reach_as_far_as_53_bit_uniforms_allow():
   assert np.all(np.abs(smallest) < 1e-7)
 
 
+@pytest.mark.parametrize('threshold', [4.0, 5.0])
+def test_tail_frequencies_match_the_normal_law(threshold):
+  """Two-sided: the count of |z| > 4 and > 5 in 10^8 draws against its
+  binomial law (expected 6334 and 57). A tail cut short, or too heavy,
+  fails."""
+  draws, count = 10**8, 0
+  for chunk in range(10):
+    count += int(np.sum(np.abs(_draws([draws // 10], seed=(11, chunk))) >
+                        threshold))
+  expected = draws * 2 * scipy.stats.norm.sf(threshold)
+  assert abs(count - expected) <= stats.Z * math.sqrt(expected), (count,
+                                                                  expected)
+
+
+@pytest.mark.parametrize('threshold', [6.0, 7.0, 8.0])
+def test_the_radius_exceeds_a_threshold_with_its_exact_probability(
+    threshold):
+  """Beyond what sampling can check: the 53-bit uniform `(k + 1/2) 2^-53`
+  gives a radius above `t` exactly for `k < 2^53 exp(-t^2 / 2) - 1/2`, so
+  P(radius > t) is `exp(-t^2 / 2)` to within 2^-53 (the tail of a standard
+  normal pair's radius) at 6, 7 and 8 standard deviations."""
+  edge = math.floor(2.0**53 * math.exp(-threshold**2 / 2) - 0.5)
+
+  def radius(k):
+    # The words box_muller reads k from: its 27 high bits, its 26 low bits.
+    words = tf.constant([[(k >> 26) << 5], [(k & (2**26 - 1)) << 6], [0]],
+                        tf.uint32)
+    return float(noise.box_muller(words)[0])  # Angle ~0: the radius.
+
+  assert radius(edge) > threshold * (1 - 1e-6)
+  assert radius(edge + 2) < threshold
+  assert radius(edge - 1) > radius(edge) > radius(edge + 1)
+
+
 def test_xla_draws_agree_with_the_default_kernels():
   seed = tf.constant([8, 9], tf.int64)
   eager = noise.standard_normal([1000], seed).numpy()
