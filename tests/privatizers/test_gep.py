@@ -591,8 +591,9 @@ def test_calibrated_gep_sigma_is_sqrt2_times_dp_sgd_sigma():
       privatizers.gep(100, 5.0, 2.0, gep), **kwargs) <= 8.0
 
 
+@pytest.mark.parametrize('refresh_steps', [1, 2])
 def test_residual_clip_holds_even_for_a_basis_that_is_not_orthonormal(
-    monkeypatch):
+    refresh_steps, monkeypatch):
   # Dependent anchors can leave a basis whose columns are not orthonormal;
   # the residual's norm must then still be that of g - B B^T g, so its clip
   # holds whatever the basis (a norm taken as |g|^2 - |B^T g|^2 would not).
@@ -610,9 +611,12 @@ def test_residual_clip_holds_even_for_a_basis_that_is_not_orthonormal(
   grads, public = _low_rank_problem(rank=5, seed=8)
   one = [tf.constant(100 * rng.normal(size=(1,) + s), tf.float32)
          for s in SHAPES]
-  privatizer = privatizers.gep(60, 1e-9, 1.0, 0.0, groups=[[0], [1], [2]])
-  out, _ = privatizer.update(one, {}, KEY, public_grads=public)
-  assert np.linalg.norm(_flat([o[np.newaxis] for o in out])) <= 1.0 + 1e-5
+  privatizer = privatizers.gep(60, 1e-9, 1.0, 0.0, groups=[[0], [1], [2]],
+                               basis_refresh_steps=refresh_steps)
+  state = privatizer.init([tf.zeros(s) for s in SHAPES])
+  for _ in range(2):  # With refresh_steps=2, step 1 keeps step 0's basis.
+    out, state = privatizer.update(one, state, KEY, public_grads=public)
+    assert np.linalg.norm(_flat([o[np.newaxis] for o in out])) <= 1.0 + 1e-5
 
 
 def test_a_small_residual_of_a_large_gradient_stays_within_its_clip():

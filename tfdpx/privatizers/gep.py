@@ -849,11 +849,14 @@ class GEP(core.Privatizer):
       for sub, group, kept in zip(subspaces(public), segments,
                                   state['grams']):
         with _after(tf.nest.flatten(directions[-1:])):
-          gram = _basis_gram(sub)
+          basis = _explicit_basis(public, sub, group)
+          # The Gram matrix of the float32 basis kept, not of the one in
+          # the anchors' coordinates it came from: the residual's norm is
+          # exact for the basis its embedding and release use.
+          gram = _basis_gram(_Subspace(basis=basis))
           padding = kept.shape[0] - gram.shape[0]
           directions.append(_directions(
-              tf.pad(_explicit_basis(public, sub, group),
-                     [[0, 0], [0, padding]]), group, shapes))
+              tf.pad(basis, [[0, 0], [0, padding]]), group, shapes))
           grams.append(tf.pad(gram, [[0, padding], [0, padding]]))
       return directions, grams
 
