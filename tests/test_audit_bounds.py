@@ -104,3 +104,18 @@ def test_two_run_bound_holds_and_detects_a_gaussian():
   nothing = bounds.two_run_epsilon_lower_bound(
       rng.normal(0, 1, 1000), rng.normal(0, 1, 1000), delta=delta)
   assert nothing['epsilon_lower_bound'] < 0.3
+
+
+def test_several_attacks_share_the_confidence():
+  """A dict of scores is one attack per score and fraction (Bonferroni):
+  a useless second score costs the first some of its bound, never adds."""
+  rng = np.random.default_rng(4)
+  scores, included = _randomized_response(rng, 1000, 2.0)
+  alone = bounds.one_run_audit(scores, included, delta=1e-5)
+  named = bounds.one_run_audit({'rr': scores}, included, delta=1e-5)
+  assert named['epsilon_lower_bound'] == alone['epsilon_lower_bound']
+  assert named['score'] == 'rr' and alone['score'] is None
+  both = bounds.one_run_audit({'rr': scores, 'noise': rng.random(1000)},
+                              included, delta=1e-5)
+  assert both['score'] == 'rr'
+  assert 0 < both['epsilon_lower_bound'] < alone['epsilon_lower_bound']

@@ -33,7 +33,8 @@ def _parser():
       'tfdpx.audit.settings.PRIVATIZERS)')
   add('--epsilons', type=lambda t: [float(e) for e in _names(t)],
       default=[1.0, 4.0, 16.0], help='printed epsilons to audit')
-  add('--flaws', type=_names, default=list(flaws.FLAWS),
+  add('--flaws', type=_names,
+      default=list(flaws.FLAWS + flaws.PIPELINE_FLAWS),
       help='broken DP-SGD configurations to audit (may be empty)')
   add('--flaw_epsilon', type=float, default=1.0,
       help='the epsilon the broken configurations claim')
@@ -73,6 +74,7 @@ def _report(args, row, rows):
   rows.append(row)
   print(f"| {row['privatizer']} | {row['target_epsilon']:g} | "
         f"{row['printed_epsilon']:.2f} | {row['epsilon_lower_bound']:.2f} | "
+        f"{row.get('score') or '-'} | "
         f"{row.get('num_correct', '-')}/{row.get('num_guesses', '-')} | "
         f"{row['seconds']:.0f} |", flush=True)
   if args.out:
@@ -91,7 +93,7 @@ def main(argv=None):
   parser = _parser()
   args = parser.parse_args(sys.argv[1:] if argv is None else argv)
   for flag, known in (('privatizers', settings.PRIVATIZERS),
-                      ('flaws', flaws.FLAWS)):
+                      ('flaws', flaws.FLAWS + flaws.PIPELINE_FLAWS)):
     unknown = sorted(set(getattr(args, flag)) - set(known))
     if unknown:
       parser.error(f'--{flag}: unknown {unknown}; known: {sorted(known)}')
@@ -108,20 +110,22 @@ def main(argv=None):
                 confidence=args.confidence,
                 learning_rate=args.learning_rate, public_data=public_data,
                 physical_batch_size=args.physical_batch_size)
-  audits = [(name, settings.PRIVATIZERS[name], e)
+  audits = [(name, settings.PRIVATIZERS[name], e, None)
             for name in args.privatizers for e in args.epsilons]
   audits += [(f'flawed_gaussian({flaw})',
               lambda *a, flaw=flaw: settings.flawed(flaw, *a),
-              args.flaw_epsilon) for flaw in args.flaws]
-  print('| privatizer | target eps | printed eps | lower bound | '
-        'correct/guesses | seconds |\n|---|---|---|---|---|---|')
+              args.flaw_epsilon, settings.batch_sampling_probability(flaw))
+             for flaw in args.flaws]
+  print('| privatizer | target eps | printed eps | lower bound | score | '
+        'correct/guesses | seconds |\n|---|---|---|---|---|---|---|')
   rows = []
-  for name, build, epsilon in audits:
+  for name, build, epsilon, batch_rate in audits:
     privatizer = calibrated(build, epsilon)
     for _ in range(args.repetitions):
       start = time.time()
       found = run.one_run(privatizer, settings.mlp, x, y,
-                          canaries=_canaries(args, x, y), **common)
+                          canaries=_canaries(args, x, y),
+                          batch_sampling_probability=batch_rate, **common)
       _report(args, {'privatizer': name, 'target_epsilon': epsilon,
                'audit': 'one_run', **found,
                'noise_multiplier': privatizer.noise_multiplier,

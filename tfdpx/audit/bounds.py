@@ -94,28 +94,34 @@ def guesses(scores: Sequence[float], included: Sequence[bool],
   return 2 * half, int(correct)
 
 
-def one_run_audit(scores: Sequence[float], included: Sequence[bool], *,
+def one_run_audit(scores, included: Sequence[bool], *,
                   delta: float, confidence: float = 0.95,
                   guess_fractions: Sequence[float] = (0.02, 0.05, 0.1, 0.2, 0.5,
                                                       1.0)) -> dict:
   """The one-run lower bound from canary scores (higher: more likely in).
 
-  Each fraction of the canaries is one attack (`guesses`); they are tested at
-  `1 - (1 - confidence) / len(guess_fractions)` each (Bonferroni), so the
+  Each score (one array, or a dict of named arrays: several attacks) and
+  each fraction of the canaries is one attack (`guesses`); they are tested
+  at `1 - (1 - confidence) / (number of attacks)` each (Bonferroni), so the
   largest of their bounds holds at `confidence`.
 
   Returns:
-    A dict: `epsilon_lower_bound`, and the attack that gave it:
-    `num_guesses`, `num_correct`.
+    A dict: `epsilon_lower_bound`, and the attack that gave it: `score` (its
+    name; None for a single array), `num_guesses`, `num_correct`.
   """
-  m = len(scores)
-  each = 1 - (1 - confidence) / len(guess_fractions)
-  best = {'epsilon_lower_bound': 0.0, 'num_guesses': 0, 'num_correct': 0}
-  for fraction in guess_fractions:
-    r, v = guesses(scores, included, max(2, int(fraction * m)))
-    eps = one_run_epsilon_lower_bound(m, r, v, delta=delta, confidence=each)
-    if eps > best['epsilon_lower_bound'] or not best['num_guesses']:
-      best = {'epsilon_lower_bound': eps, 'num_guesses': r, 'num_correct': v}
+  named = scores if isinstance(scores, dict) else {None: scores}
+  each = 1 - (1 - confidence) / (len(guess_fractions) * len(named))
+  best = {'epsilon_lower_bound': 0.0, 'score': None, 'num_guesses': 0,
+          'num_correct': 0}
+  for name, values in named.items():
+    m = len(values)
+    for fraction in guess_fractions:
+      r, v = guesses(values, included, max(2, int(fraction * m)))
+      eps = one_run_epsilon_lower_bound(m, r, v, delta=delta,
+                                        confidence=each)
+      if eps > best['epsilon_lower_bound'] or not best['num_guesses']:
+        best = {'epsilon_lower_bound': eps, 'score': name, 'num_guesses': r,
+                'num_correct': v}
   return best
 
 

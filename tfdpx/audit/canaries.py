@@ -7,7 +7,7 @@ data in the same layout (`public`) and, after training, one score per canary
 """
 
 import abc
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -45,6 +45,35 @@ class Canaries(abc.ABC):
             ) -> np.ndarray:
     """One score per canary, from the trained model (and `model` in it)."""
 
+  def trace(self) -> Optional['StepTrace']:
+    """A callback recording what every step released on the canaries, for
+    a new run; None where the attacker sees the final model only."""
+    return None
+
+
+class StepTrace(tf.keras.callbacks.Callback):
+  """Each canary's coordinate before the first step and after every step
+  (`GradientCanaries`): the releases an attacker who sees every step has."""
+
+  def __init__(self):
+    super().__init__()
+    self._values = []
+
+  def _record(self):
+    table = self.model.get_layer(CANARY_LAYER).embeddings
+    self._values.append(np.array(table, np.float64)[:, 0])
+
+  def on_train_begin(self, logs=None):
+    self._values = []
+    self._record()
+
+  def on_train_batch_end(self, batch, logs=None):
+    self._record()
+
+  def updates(self) -> np.ndarray:
+    """`[steps, num_canaries]`: each step's change of each coordinate."""
+    return np.diff(np.stack(self._values), axis=0)
+
 
 class _CanaryLoss(tf.keras.losses.Loss):
   """Cross-entropy of the logits for examples (label >= 0); for a canary
@@ -74,7 +103,8 @@ class GradientCanaries(Canaries):
   an example's gradient is exactly zero on the table. Whatever the noise step
   does to a record of that norm is what the audit measures. The score is the
   final value of the canary's coordinate: with SGD, the sum of every step's
-  release on it, which the attacker (seeing every release) knows.
+  release on it; `trace` records every step's (the attacker sees every
+  release), for the scores of `tfdpx.audit.scores`.
   """
 
   def __init__(self, num_canaries: int, gradient_norm: float = 100.0):
@@ -115,6 +145,9 @@ class GradientCanaries(Canaries):
     del model
     table = trained.get_layer(CANARY_LAYER).embeddings
     return np.asarray(table)[:, 0].astype(np.float64)
+
+  def trace(self):
+    return StepTrace()
 
 
 class InputCanaries(Canaries):

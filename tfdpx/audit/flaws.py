@@ -3,12 +3,20 @@
 Never train with it: it accounts for a guarantee its release does not have.
 """
 
+import tensorflow as tf
+
 from tfdpx import clipping
 from tfdpx import core
 from tfdpx import noise
 from tfdpx.privatizers.gaussian import Gaussian
 
-FLAWS = ('no_noise', 'no_clip')
+# Flaws of the noise step (`FlawedGaussian`), and of the input pipeline.
+FLAWS = ('no_noise', 'no_clip', 'noise_fraction', 'reused_noise')
+PIPELINE_FLAWS = ('no_sampling',)
+# The share of the accounted noise `'noise_fraction'` adds.
+NOISE_FRACTION = 0.5
+# The one noise key `'reused_noise'` draws every step's noise from.
+REUSED_KEY = (1, 0)
 
 
 @core.register
@@ -17,9 +25,14 @@ class FlawedGaussian(Gaussian):
 
   Privacy:
     None. `dp_event` is DP-SGD's at `noise_multiplier`, but `'no_noise'`
-    releases the clipped sum without noise, and `'no_clip'` sums the gradients
-    unclipped (noise still `noise_multiplier * l2_norm_clip`). An audit of it
-    must give a lower bound above the epsilon printed for it.
+    releases the clipped sum without noise, `'no_clip'` sums the gradients
+    unclipped (noise still `noise_multiplier * l2_norm_clip`),
+    `'noise_fraction'` adds `NOISE_FRACTION` of the accounted noise and
+    `'reused_noise'` adds the same noise at every step (one key). An audit of
+    it must give a lower bound above the epsilon printed for it. (The
+    pipeline flaw `'no_sampling'`, every record in every batch while the
+    accountant is told Poisson sampling, is the audit run's:
+    `run.one_run(batch_sampling_probability=1)`.)
   """
 
   name = 'flawed_gaussian'
@@ -42,6 +55,10 @@ class FlawedGaussian(Gaussian):
     return noise.batch_sum(per_example_grads, factors)
 
   def release(self, sums, state, plan, seed):
-    if self._flaw != 'no_noise':
-      return super().release(sums, state, plan, seed)
-    return noise.add_gaussian(sums, self._l2_norm_clip, 0.0, seed), state
+    multiplier = {'no_noise': 0.0,
+                  'noise_fraction': NOISE_FRACTION * self._noise_multiplier
+                 }.get(self._flaw, self._noise_multiplier)
+    if self._flaw == 'reused_noise':
+      seed = tf.constant(REUSED_KEY, tf.int64)
+    return noise.add_gaussian(sums, self._l2_norm_clip, multiplier,
+                              seed), state

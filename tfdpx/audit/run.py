@@ -11,6 +11,7 @@ from tfdpx import keras as tfdpx_keras
 from tfdpx import sampling
 from tfdpx.audit import bounds
 from tfdpx.audit import canaries as canaries_lib
+from tfdpx.audit import scores
 
 
 def expected_batch_size(num_examples: int, num_canaries: int,
@@ -27,18 +28,24 @@ def train_with_canaries(privatizer: core.Privatizer,
                         included: np.ndarray, sampling_probability: float,
                         steps: int, delta: float, learning_rate: float = 0.1,
                         public_data=None, jit_compile: bool = False,
-                        physical_batch_size: Optional[int] = None) -> dict:
+                        physical_batch_size: Optional[int] = None,
+                        batch_sampling_probability: Optional[float] = None
+                       ) -> dict:
   """One private training run with the canaries `included` marks.
 
   The run is a user's: `make_private(model)`, `tfdpx.keras.DPSGD` around
   `privatizer`, Poisson batches with a secret sampling seed, a secret noise
   key, `fit`. The optimizer divides by `expected_batch_size`.
   `physical_batch_size` runs each batch as virtual batches of that size
-  (`make_private`).
+  (`make_private`). `batch_sampling_probability` is the rate the batches are
+  really drawn at (default `sampling_probability`, which the accountant is
+  told): another only to audit a flawed pipeline (`flaws.PIPELINE_FLAWS`).
 
   Returns:
-    A dict: `scores` (one per canary), `printed_epsilon` (the accountant's
-    epsilon at `delta` for the steps taken), `steps`.
+    A dict: `scores` (one per canary), `updates` (`[steps, canaries]`, each
+    step's change of each canary's coordinate, or None: `canaries.trace`),
+    `printed_epsilon` (the accountant's epsilon at `delta` for the steps
+    taken), `steps`, `denominator` (the optimizer's).
   """
   included = np.asarray(included, bool)
   if included.shape != (canaries.num_canaries,):
@@ -59,15 +66,41 @@ def train_with_canaries(privatizer: core.Privatizer,
                                 learning_rate=learning_rate)
   trained.compile(optimizer, canaries.loss(), jit_compile=jit_compile)
   batches = sampling.poisson_batches(
-      records_x, records_y, sampling_probability=sampling_probability,
-      steps=steps)
-  trained.fit(batches, epochs=1, verbose=0)
+      records_x, records_y,
+      sampling_probability=(sampling_probability
+                            if batch_sampling_probability is None else
+                            batch_sampling_probability), steps=steps)
+  trace = canaries.trace()
+  trained.fit(batches, epochs=1, verbose=0,
+              callbacks=[] if trace is None else [trace])
   printed = accounting.epsilon_for_sampling(
       optimizer, sampling='poisson', sampling_probability=sampling_probability,
       delta=delta)
   return {'scores': canaries.scores(trained, model),
+          'updates': None if trace is None else trace.updates(),
           'printed_epsilon': float(printed),
-          'steps': int(optimizer.dp_steps.numpy())}
+          'steps': int(optimizer.dp_steps.numpy()),
+          'denominator': optimizer.denominator}
+
+
+def score_sets(run: dict, privatizer: core.Privatizer, *,
+               sampling_probability: float, learning_rate: float) -> dict:
+  """The attacks' scores of one run (`tfdpx.audit.scores`): the final
+  coordinate, and with every step's release the likelihood ratio for
+  DP-SGD at the privatizer's noise multiplier and clip norm, and the
+  spread."""
+  sets = {'final': run['scores']}
+  updates = run['updates']
+  if updates is None:
+    return sets
+  z = privatizer.noise_multiplier
+  if z > 0:
+    clip = privatizer.reference_l2_norm_clip or 1.0
+    noise_std = learning_rate * z * clip / run['denominator']
+    sets['likelihood'] = scores.likelihood_ratio(
+        updates / noise_std, 1 / z, sampling_probability)
+  sets['spread'] = scores.spread(updates)
+  return sets
 
 
 def one_run(privatizer: core.Privatizer,
@@ -76,12 +109,13 @@ def one_run(privatizer: core.Privatizer,
             steps: int, delta: float, confidence: float = 0.95,
             learning_rate: float = 0.1, public_data=None,
             jit_compile: bool = False,
-            physical_batch_size: Optional[int] = None) -> dict:
+            physical_batch_size: Optional[int] = None,
+            batch_sampling_probability: Optional[float] = None) -> dict:
   """The one-run audit (Steinke, Nasr, Jagielski 2023) of one training run.
 
   Each canary is included independently with probability 1/2 (a secret
-  draw); the run's canary scores give a lower bound on epsilon at
-  `confidence` (`bounds.one_run_audit`).
+  draw); the run's canary scores (`score_sets`: each one attack) give a
+  lower bound on epsilon at `confidence` (`bounds.one_run_audit`).
 
   Args:
     privatizer: the noise step, at the noise multiplier to audit.
@@ -96,10 +130,11 @@ def one_run(privatizer: core.Privatizer,
     public_data: `(x, y)` public examples, for GEP.
     jit_compile: XLA.
     physical_batch_size: virtual batches of this size.
+    batch_sampling_probability: as in `train_with_canaries`.
 
   Returns:
     A dict: `epsilon_lower_bound`, `printed_epsilon`, `delta`, `confidence`,
-    `num_canaries`, `num_guesses`, `num_correct`, `steps`.
+    `num_canaries`, `score`, `num_guesses`, `num_correct`, `steps`.
   """
   included = np.random.default_rng(sampling.secret_entropy()).random(
       canaries.num_canaries) < 0.5
@@ -107,9 +142,12 @@ def one_run(privatizer: core.Privatizer,
       privatizer, model_fn, x, y, canaries=canaries, included=included,
       sampling_probability=sampling_probability, steps=steps, delta=delta,
       learning_rate=learning_rate, public_data=public_data,
-      jit_compile=jit_compile, physical_batch_size=physical_batch_size)
-  found = bounds.one_run_audit(run['scores'], included, delta=delta,
-                               confidence=confidence)
+      jit_compile=jit_compile, physical_batch_size=physical_batch_size,
+      batch_sampling_probability=batch_sampling_probability)
+  found = bounds.one_run_audit(
+      score_sets(run, privatizer, sampling_probability=sampling_probability,
+                 learning_rate=learning_rate),
+      included, delta=delta, confidence=confidence)
   return {**found, 'printed_epsilon': run['printed_epsilon'], 'delta': delta,
           'confidence': confidence, 'num_canaries': canaries.num_canaries,
           'steps': run['steps']}

@@ -93,9 +93,20 @@ PRIVATIZERS = {
 
 
 def flawed(flaw: str, z, steps, expected_batch_size):
-  """DP-SGD with `flaw` (`flaws.FLAWS`), accounted as DP-SGD at `z`."""
+  """DP-SGD with `flaw` (`flaws.FLAWS`), accounted as DP-SGD at `z`; for a
+  pipeline flaw (`flaws.PIPELINE_FLAWS`) DP-SGD itself (the run is flawed:
+  `batch_sampling_probability`)."""
   del steps, expected_batch_size
+  if flaw in flaws.PIPELINE_FLAWS:
+    return privatizers.gaussian(L2_NORM_CLIP, z)
   return flaws.FlawedGaussian(L2_NORM_CLIP, z, flaw)
+
+
+def batch_sampling_probability(flaw: str):
+  """The rate a run with `flaw` really draws its batches at: 1 for
+  `'no_sampling'` (every record in every batch), else None (the rate the
+  accountant is told)."""
+  return 1.0 if flaw == 'no_sampling' else None
 
 
 def calibrated(build, target_epsilon: float, *, steps: int, delta: float,

@@ -1,0 +1,48 @@
+"""The white-box scores of the audit (`tfdpx.audit.scores`)."""
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from tfdpx.audit import scores
+
+
+def test_the_likelihood_ratio_is_the_mixtures_over_the_null():
+  rng = np.random.default_rng(0)
+  mu, q = 1.3, 0.4
+  y = rng.normal(size=(20, 7))
+  mixture = (1 - q) * stats.norm.pdf(y) + q * stats.norm.pdf(y, loc=mu)
+  direct = np.sum(np.log(mixture / stats.norm.pdf(y)), axis=0)
+  np.testing.assert_allclose(scores.likelihood_ratio(y, mu, q), direct,
+                             rtol=1e-12)
+
+
+def test_the_likelihood_ratio_separates_better_than_the_total():
+  """Neyman-Pearson on Poisson-sampled Gaussian steps: at small noise and
+  q = 0.2, the sum of the steps loses to the likelihood ratio."""
+  rng = np.random.default_rng(1)
+  mu, q, steps, m = 3.0, 0.2, 20, 4000
+  included = rng.random(m) < 0.5
+  sampled = (rng.random((steps, m)) < q) & included
+  y = rng.normal(size=(steps, m)) + mu * sampled
+
+  def auc(score):
+    return stats.mannwhitneyu(score[included], score[~included]).statistic / (
+        included.sum() * (~included).sum())
+
+  assert auc(scores.likelihood_ratio(y, mu, q)) > auc(scores.total(y)) + 0.01
+
+
+def test_the_spread_is_zero_without_a_canary_when_noise_repeats():
+  rng = np.random.default_rng(2)
+  noise = rng.normal(size=5)  # One draw per coordinate, reused every step.
+  shares = np.zeros((10, 5))
+  shares[[1, 4, 7], 2] = 1.0  # Canary 2 sampled in three steps.
+  spread = scores.spread(shares + noise)
+  assert spread[2] > 0.4
+  np.testing.assert_allclose(np.delete(spread, 2), 0.0, atol=1e-12)
+
+
+def test_q_must_be_a_rate():
+  with pytest.raises(ValueError, match='q'):
+    scores.likelihood_ratio(np.zeros((2, 2)), 1.0, 0.0)

@@ -1,0 +1,53 @@
+"""White-box canary scores from every step's release on each canary's coordinate.
+
+A gradient canary (`canaries.GradientCanaries`) owns one coordinate that only
+it moves: with SGD, step t's update of that coordinate is the release's
+coordinate times `-learning_rate / denominator`, which the attacker of the
+threat model sees (every release). Standardized by the noise's standard
+deviation there, a step's value is `y_t ~ N(b_t mu, 1)`, with `b_t = 1` when
+the canary was in step t's batch (probability q if it is in the data, never
+if not) and `mu = 1 / z` for DP-SGD at noise multiplier z (its clipped
+contribution is the clip norm, its noise `z` times it).
+
+Each score is a function of the canary's own values only; higher means more
+likely included. Any such score gives a valid one-run bound; these are the
+ones that have power against the cases `tfdpx.audit.flaws` plants.
+"""
+
+import numpy as np
+
+
+def total(updates: np.ndarray) -> np.ndarray:
+  """The sum of the steps' values (the final coordinate): `[T, m] -> [m]`.
+
+  Most powerful for the Gaussian mechanism without sampling (q = 1).
+  """
+  return np.sum(updates, axis=0)
+
+
+def likelihood_ratio(standardized: np.ndarray, mu: float,
+                     q: float) -> np.ndarray:
+  """`sum_t log(1 - q + q exp(mu y_t - mu^2 / 2))`: `[T, m] -> [m]`.
+
+  The log-likelihood ratio of "in the data" (each step's batch holds the
+  canary with probability q, independently) against "not in it", for
+  independent Gaussian steps: by Neyman-Pearson the most powerful score for
+  DP-SGD with Poisson sampling, where `total` is not when q < 1.
+  """
+  if not 0 < q <= 1:
+    raise ValueError(f'q must be in (0, 1], got {q!r}')
+  y = np.asarray(standardized, np.float64)
+  shifted = mu * y - mu**2 / 2
+  return np.sum(np.logaddexp(np.log1p(-q) if q < 1 else -np.inf,
+                             np.log(q) + shifted), axis=0)
+
+
+def spread(updates: np.ndarray) -> np.ndarray:
+  """The standard deviation of the steps' values: `[T, m] -> [m]`.
+
+  Without a canary a coordinate moves by noise alone, with it by noise plus
+  the canary's share in the steps that sampled it: more spread, and none at
+  all when every step reuses one noise draw (`flaws` 'reused_noise').
+  """
+  return np.std(np.asarray(updates, np.float64), axis=0)
+
