@@ -119,3 +119,22 @@ def test_several_attacks_share_the_confidence():
                               included, delta=1e-5)
   assert both['score'] == 'rr'
   assert 0 < both['epsilon_lower_bound'] < alone['epsilon_lower_bound']
+
+
+def test_the_ceiling_is_the_bound_of_all_guesses_right():
+  """The one-run ceiling is the largest all-correct bound over the attack
+  sizes (1,000 canaries: 5.27, all guessed, as docs/auditing.md says); the
+  two-run one that of a perfect separation (2.57 for 100 + 100 runs)."""
+  rng = np.random.default_rng(5)
+  included = rng.random(1000) < 0.5
+  perfect = bounds.one_run_audit(included + 0.01 * rng.random(1000), included,
+                                 delta=1e-5)
+  assert perfect['ceiling'] == pytest.approx(5.27, abs=0.01)
+  # Not 1,000 right: the halves guessed "in" and "out" are not the split.
+  assert 4.5 < perfect['epsilon_lower_bound'] <= perfect['ceiling']
+  noise = bounds.one_run_audit(rng.random(1000), included, delta=1e-5)
+  assert noise['ceiling'] == perfect['ceiling']
+  two = bounds.two_run_epsilon_lower_bound(np.arange(100) + 1000.0,
+                                           np.arange(100.0), delta=1e-5)
+  assert two['ceiling'] == pytest.approx(2.57, abs=0.01)
+  assert two['epsilon_lower_bound'] == pytest.approx(two['ceiling'])

@@ -74,7 +74,7 @@ def _report(args, row, rows):
   rows.append(row)
   print(f"| {row['privatizer']} | {row['target_epsilon']:g} | "
         f"{row['printed_epsilon']:.2f} | {row['epsilon_lower_bound']:.2f} | "
-        f"{row.get('score') or '-'} | "
+        f"{row['ceiling']:.2f} | {row.get('score') or '-'} | "
         f"{row.get('num_correct', '-')}/{row.get('num_guesses', '-')} | "
         f"{row['seconds']:.0f} |", flush=True)
   if args.out:
@@ -116,8 +116,9 @@ def main(argv=None):
               lambda *a, flaw=flaw: settings.flawed(flaw, *a),
               args.flaw_epsilon, settings.batch_sampling_probability(flaw))
              for flaw in args.flaws]
-  print('| privatizer | target eps | printed eps | lower bound | score | '
-        'correct/guesses | seconds |\n|---|---|---|---|---|---|---|')
+  print('| privatizer | target eps | printed eps | lower bound | ceiling | '
+        'score | correct/guesses | seconds |\n'
+        '|---|---|---|---|---|---|---|---|')
   rows = []
   for name, build, epsilon, batch_rate in audits:
     privatizer = calibrated(build, epsilon)

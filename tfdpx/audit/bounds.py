@@ -107,12 +107,15 @@ def one_run_audit(scores, included: Sequence[bool], *,
 
   Returns:
     A dict: `epsilon_lower_bound`, and the attack that gave it: `score` (its
-    name; None for a single array), `num_guesses`, `num_correct`.
+    name; None for a single array), `num_guesses`, `num_correct`; and
+    `ceiling`, the largest bound these attacks could give (every guess
+    right): a bound far below it is a step's privacy or the attack's lack
+    of power, one near it may be either.
   """
   named = scores if isinstance(scores, dict) else {None: scores}
   each = 1 - (1 - confidence) / (len(guess_fractions) * len(named))
   best = {'epsilon_lower_bound': 0.0, 'score': None, 'num_guesses': 0,
-          'num_correct': 0}
+          'num_correct': 0, 'ceiling': 0.0}
   for name, values in named.items():
     m = len(values)
     for fraction in guess_fractions:
@@ -120,8 +123,10 @@ def one_run_audit(scores, included: Sequence[bool], *,
       eps = one_run_epsilon_lower_bound(m, r, v, delta=delta,
                                         confidence=each)
       if eps > best['epsilon_lower_bound'] or not best['num_guesses']:
-        best = {'epsilon_lower_bound': eps, 'score': name, 'num_guesses': r,
-                'num_correct': v}
+        best.update(epsilon_lower_bound=eps, score=name, num_guesses=r,
+                    num_correct=v)
+      best['ceiling'] = max(best['ceiling'], one_run_epsilon_lower_bound(
+          m, r, r, delta=delta, confidence=each))
   return best
 
 
@@ -145,8 +150,9 @@ def two_run_epsilon_lower_bound(in_scores: Sequence[float],
   Both rates' bounds hold together at `confidence` (union bound).
 
   Returns:
-    A dict: `epsilon_lower_bound`, `threshold`, and the upper bounds
-    `false_positive_rate`, `false_negative_rate`.
+    A dict: `epsilon_lower_bound`, `threshold`, the upper bounds
+    `false_positive_rate`, `false_negative_rate`, and `ceiling` (the bound
+    of a perfect separation).
   """
   ins = np.asarray(in_scores, np.float64)
   outs = np.asarray(out_scores, np.float64)
@@ -168,5 +174,10 @@ def two_run_epsilon_lower_bound(in_scores: Sequence[float],
   candidates = np.unique(np.concatenate([fit_in, fit_out]))
   threshold = candidates[np.argmax(bounds_at(candidates, fit_in, fit_out)[0])]
   eps, fpr, fnr = (float(v) for v in bounds_at(threshold, test_in, test_out))
+  # Perfect separation of the rate-bounding halves.
+  perfect_fpr, perfect_fnr = (float(_rate_upper_bounds(0, len(h), alpha))
+                              for h in (test_out, test_in))
   return {'epsilon_lower_bound': eps, 'threshold': float(threshold),
-          'false_positive_rate': fpr, 'false_negative_rate': fnr}
+          'false_positive_rate': fpr, 'false_negative_rate': fnr,
+          'ceiling': max(0.0, math.log((1 - delta - perfect_fnr) /
+                                       perfect_fpr))}
