@@ -436,7 +436,10 @@ class GEP(core.Privatizer):
     `sigma_1 = noise_multiplier`), so a step costs what a DP-SGD step with
     `noise_multiplier` costs. Adjacency: add or remove one example (the
     sensitivities are S1 and S2). The basis costs nothing only because the
-    anchors are public and disjoint from the private data (spec §3.6). The
+    anchors are public and disjoint from the private data (spec §3.6); one
+    kept for several steps (`basis_refresh_steps`) is a function of the
+    anchors and of the weights of its refresh step, earlier releases, so
+    the event is the same. The
     official code's accountant doubles the subsampled RDP, which understates
     epsilon (spec §3.3); tfdpx does not offer that accounting. The residual
     sum is formed as a weighted sum of whole gradients minus their part in the
