@@ -116,6 +116,20 @@ def test_the_no_sampling_flaw_puts_every_canary_in_every_batch(digits):
       accountant.get_epsilon(DELTA), rel=1e-6)
 
 
+def test_the_scores_are_chosen_and_unknown_ones_named(digits):
+  found = _audit(settings.PRIVATIZERS['gaussian'], 16.0, digits)
+  alone = run.one_run(
+      settings.PRIVATIZERS['gaussian'](0.5, STEPS, None), settings.mlp,
+      *digits[:2], canaries=canaries_lib.GradientCanaries(500),
+      sampling_probability=Q, steps=STEPS, delta=DELTA, scores=('final',))
+  assert found['score'] in run.DEFAULT_SCORES and alone['score'] == 'final'
+  assert alone['ceiling'] > found['ceiling']  # Fewer attacks share alpha.
+  with pytest.raises(ValueError, match='scores'):
+    run.score_sets({'scores': np.zeros(2), 'updates': None}, None,
+                   sampling_probability=Q, learning_rate=0.1,
+                   names=('total',))
+
+
 def test_every_steps_release_on_the_canaries_is_recorded(digits):
   x, y, _ = digits
   found = run.train_with_canaries(

@@ -42,6 +42,10 @@ def _parser():
       help='Dirac gradient canaries (white box) or random input canaries '
       'scored by their loss (black box)')
   add('--num_canaries', type=int, default=1000, help='canaries per run')
+  add('--scores', type=_names, default=list(run.DEFAULT_SCORES),
+      help='the attacks\' scores, comma-separated, of '
+      f'{", ".join(run.SCORES)} (tfdpx.audit.scores; they share the '
+      'confidence)')
   add('--canary_gradient_norm', type=float, default=100.0,
       help="gradient canaries: norm of each canary's gradient")
   add('--sampling_probability', type=float, default=0.5,
@@ -85,7 +89,7 @@ def _report(args, row, rows):
 def _settings(args, **extra):
   return {'canaries': args.canaries, 'num_canaries': args.num_canaries,
           'sampling_probability': args.sampling_probability,
-          'steps': args.steps, **extra}
+          'steps': args.steps, 'scores': args.scores, **extra}
 
 
 def main(argv=None):
@@ -93,7 +97,8 @@ def main(argv=None):
   parser = _parser()
   args = parser.parse_args(sys.argv[1:] if argv is None else argv)
   for flag, known in (('privatizers', settings.PRIVATIZERS),
-                      ('flaws', flaws.FLAWS + flaws.PIPELINE_FLAWS)):
+                      ('flaws', flaws.FLAWS + flaws.PIPELINE_FLAWS),
+                      ('scores', run.SCORES)):
     unknown = sorted(set(getattr(args, flag)) - set(known))
     if unknown:
       parser.error(f'--{flag}: unknown {unknown}; known: {sorted(known)}')
@@ -106,6 +111,8 @@ def main(argv=None):
         build, epsilon, steps=args.steps, delta=args.delta,
         sampling_probability=q, expected_batch_size=batch_size)
 
+  if not args.scores:
+    parser.error('--scores: name at least one')
   common = dict(sampling_probability=q, steps=args.steps, delta=args.delta,
                 confidence=args.confidence,
                 learning_rate=args.learning_rate, public_data=public_data,
@@ -126,7 +133,8 @@ def main(argv=None):
       start = time.time()
       found = run.one_run(privatizer, settings.mlp, x, y,
                           canaries=_canaries(args, x, y),
-                          batch_sampling_probability=batch_rate, **common)
+                          batch_sampling_probability=batch_rate,
+                          scores=args.scores, **common)
       _report(args, {'privatizer': name, 'target_epsilon': epsilon,
                'audit': 'one_run', **found,
                'noise_multiplier': privatizer.noise_multiplier,
