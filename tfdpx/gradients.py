@@ -365,7 +365,6 @@ def as_per_example_gradients(
   return MaterializedGradients(grads)
 
 
-
 class Deferred(PerExampleGradients):
   """Per-example gradients built where they are first used.
 

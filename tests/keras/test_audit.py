@@ -25,6 +25,14 @@ def _digits():
   return settings.digits()
 
 
+def _dp_sgd_epsilon(noise_multiplier):
+  """dp_accounting's RDP epsilon of STEPS Poisson-sampled Gaussian steps."""
+  accountant = dp_accounting.rdp.RdpAccountant()
+  accountant.compose(dp_accounting.PoissonSampledDpEvent(
+      Q, dp_accounting.GaussianDpEvent(noise_multiplier)), STEPS)
+  return accountant.get_epsilon(DELTA)
+
+
 def _audit(build, epsilon, digits, *, num_canaries=500, canaries=None,
            jit_compile=False, physical_batch_size=None):
   x, y, public_data = digits
@@ -109,11 +117,8 @@ def test_the_no_sampling_flaw_puts_every_canary_in_every_batch(digits):
   share = 0.1 * settings.L2_NORM_CLIP / found['denominator']  # SGD's step.
   np.testing.assert_allclose(found['updates'][:, included], share, rtol=1e-5)
   np.testing.assert_array_equal(found['updates'][:, ~included], 0.0)
-  accountant = dp_accounting.rdp.RdpAccountant()  # Told q, not 1.
-  accountant.compose(dp_accounting.PoissonSampledDpEvent(
-      Q, dp_accounting.GaussianDpEvent(1.0)), STEPS)
-  assert found['printed_epsilon'] == pytest.approx(
-      accountant.get_epsilon(DELTA), rel=1e-6)
+  assert found['printed_epsilon'] == pytest.approx(  # Told q, not 1.
+      _dp_sgd_epsilon(1.0), rel=1e-6)
 
 
 def test_the_scores_are_chosen_and_unknown_ones_named(digits):
@@ -174,12 +179,9 @@ def test_printed_epsilon_is_the_accountants(digits):
       settings.PRIVATIZERS['gaussian'](1.3, STEPS, None), settings.mlp, x, y,
       canaries=canaries_lib.GradientCanaries(4), included=included,
       sampling_probability=Q, steps=STEPS, delta=DELTA)
-  accountant = dp_accounting.rdp.RdpAccountant()
-  accountant.compose(dp_accounting.PoissonSampledDpEvent(
-      Q, dp_accounting.GaussianDpEvent(1.3)), STEPS)
   assert found['steps'] == STEPS
-  assert found['printed_epsilon'] == pytest.approx(
-      accountant.get_epsilon(DELTA), rel=1e-6)
+  assert found['printed_epsilon'] == pytest.approx(_dp_sgd_epsilon(1.3),
+                                                   rel=1e-6)
 
 
 def test_a_gradient_canary_is_a_dirac_record_and_examples_miss_the_table():

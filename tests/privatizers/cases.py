@@ -95,19 +95,20 @@ def gep_noise_std(privatizer, step, l2_norm_clip):
   return 2**0.5 * sigma_eff * l2_norm_clip / 2
 
 
-CASES.append(Case(
-    'gep', lambda z, c: privatizers.gep(4, c, c / 2, z, num_groups=2),
-    noiseless_expected=plain_sum,
-    sensitivity=lambda c: (c**2 + (c / 2)**2)**0.5,
-    noise_std=gep_noise_std, needs_public=True))
+def _gep_case(name, steps=(0,), **kwargs) -> Case:
+  """GEP with 4 bases in two groups, clips `c` and `c / 2`, and `kwargs`."""
+  return Case(
+      name, lambda z, c: privatizers.gep(4, c, c / 2, z, num_groups=2,
+                                         **kwargs),
+      steps=steps, noiseless_expected=plain_sum,
+      sensitivity=lambda c: (c**2 + (c / 2)**2)**0.5,
+      noise_std=gep_noise_std, needs_public=True)
+
+
+CASES.append(_gep_case('gep'))
 # A basis every 3 steps: step 2 releases with the basis kept from step 0,
 # step 3 with a new one.
-CASES.append(Case(
-    'gep_refresh', lambda z, c: privatizers.gep(4, c, c / 2, z, num_groups=2,
-                                                basis_refresh_steps=3),
-    steps=(0, 2, 3), noiseless_expected=plain_sum,
-    sensitivity=lambda c: (c**2 + (c / 2)**2)**0.5,
-    noise_std=gep_noise_std, needs_public=True))
+CASES.append(_gep_case('gep_refresh', steps=(0, 2, 3), basis_refresh_steps=3))
 
 
 def sparsified_case(case: Case, final_sparsity: float = 0.5) -> Case:

@@ -102,6 +102,8 @@ def main(argv=None):
     unknown = sorted(set(getattr(args, flag)) - set(known))
     if unknown:
       parser.error(f'--{flag}: unknown {unknown}; known: {sorted(known)}')
+  if not args.scores:
+    parser.error('--scores: name at least one')
   x, y, public_data = settings.digits()
   q = args.sampling_probability
   batch_size = run.expected_batch_size(len(y), args.num_canaries, q)
@@ -111,8 +113,6 @@ def main(argv=None):
         build, epsilon, steps=args.steps, delta=args.delta,
         sampling_probability=q, expected_batch_size=batch_size)
 
-  if not args.scores:
-    parser.error('--scores: name at least one')
   common = dict(sampling_probability=q, steps=args.steps, delta=args.delta,
                 confidence=args.confidence,
                 learning_rate=args.learning_rate, public_data=public_data,

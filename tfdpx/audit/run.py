@@ -102,13 +102,13 @@ def score_sets(run: dict, privatizer: core.Privatizer, *,
     raise ValueError(f'scores must be some of {SCORES}, got {names!r}')
   sets = {'final': run['scores']}
   updates = run['updates']
-  z = privatizer.noise_multiplier
-  if updates is not None and z > 0:
-    clip = privatizer.reference_l2_norm_clip or 1.0
-    noise_std = learning_rate * z * clip / run['denominator']
-    sets['likelihood'] = scores_lib.likelihood_ratio(
-        updates / noise_std, 1 / z, sampling_probability)
   if updates is not None:
+    z = privatizer.noise_multiplier
+    if z > 0:
+      clip = privatizer.reference_l2_norm_clip or 1.0
+      noise_std = learning_rate * z * clip / run['denominator']
+      sets['likelihood'] = scores_lib.likelihood_ratio(
+          updates / noise_std, 1 / z, sampling_probability)
     sets['spread'] = scores_lib.spread(updates)
   return {name: sets[name] for name in names if name in sets}
 
