@@ -52,6 +52,8 @@ def test_every_noise_steps_lower_bound_is_within_its_epsilon(name, digits):
   found = _audit(settings.PRIVATIZERS[name], 4.0, digits)
   assert found['printed_epsilon'] == pytest.approx(4.0, rel=1e-2)
   assert found['epsilon_lower_bound'] <= found['printed_epsilon']
+  assert found['gaussian_epsilon'] <= found['printed_epsilon']
+  assert found['claim_rejected'] is False  # The accountant's whole curve.
 
 
 @pytest.mark.slow
@@ -75,6 +77,7 @@ def test_the_audit_catches_a_broken_dp_sgd(flaw, digits):
                  num_canaries=1000)
   assert found['printed_epsilon'] == pytest.approx(1.0, rel=1e-2)
   assert found['epsilon_lower_bound'] > 2 * found['printed_epsilon']
+  assert found['claim_rejected']
 
 
 def _release(privatizer, sums, key):
@@ -227,8 +230,10 @@ def test_the_command_writes_one_line_per_audit(tmp_path, capsys):
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   assert [r['privatizer'] for r in rows] == ['gaussian',
                                              'flawed_gaussian(no_noise)']
-  assert rows[0]['target_epsilon'] == 16 and rows[1]['target_epsilon'] == 1
-  assert '| gaussian | 16 |' in capsys.readouterr().out
+  assert rows[0]['target_epsilon'] == 16 and rows[1]['target_epsilon'] == 2
+  assert rows[1]['claim_rejected'] in (True, False)
+  printed = capsys.readouterr().out
+  assert '| gaussian | 16 |' in printed and 'claim rejected' in printed
 
 
 def test_the_command_names_an_unknown_privatizer(capsys):

@@ -36,7 +36,7 @@ def _parser():
   add('--flaws', type=_names,
       default=list(flaws.FLAWS + flaws.PIPELINE_FLAWS),
       help='broken DP-SGD configurations to audit (may be empty)')
-  add('--flaw_epsilon', type=float, default=1.0,
+  add('--flaw_epsilon', type=float, default=2.0,
       help='the epsilon the broken configurations claim')
   add('--canaries', choices=['gradient', 'input'], default='gradient',
       help='Dirac gradient canaries (white box) or random input canaries '
@@ -76,9 +76,14 @@ def _canaries(args, x, y):
 
 def _report(args, row, rows):
   rows.append(row)
+  gaussian = (f"{row['gaussian_epsilon']:.2f} | "
+              f"{row['gaussian_ceiling']:.2f}" if 'gaussian_epsilon' in row
+              else '- | -')
+  rejected = {True: 'yes', False: 'no', None: '-'}[row.get('claim_rejected')]
   print(f"| {row['privatizer']} | {row['target_epsilon']:g} | "
         f"{row['printed_epsilon']:.2f} | {row['epsilon_lower_bound']:.2f} | "
-        f"{row['ceiling']:.2f} | {row.get('score') or '-'} | "
+        f"{row['ceiling']:.2f} | {gaussian} | {rejected} | "
+        f"{row.get('score') or '-'} {row.get('test', '')} | "
         f"{row.get('num_correct', '-')}/{row.get('num_guesses', '-')} | "
         f"{row['seconds']:.0f} |", flush=True)
   if args.out:
@@ -124,8 +129,9 @@ def main(argv=None):
               args.flaw_epsilon, settings.batch_sampling_probability(flaw))
              for flaw in args.flaws]
   print('| privatizer | target eps | printed eps | lower bound | ceiling | '
-        'score | correct/guesses | seconds |\n'
-        '|---|---|---|---|---|---|---|---|')
+        'Gaussian eps | its ceiling | claim rejected | attack | '
+        'correct/guesses | seconds |\n'
+        '|---|---|---|---|---|---|---|---|---|---|---|')
   rows = []
   for name, build, epsilon, batch_rate in audits:
     privatizer = calibrated(build, epsilon)
@@ -155,17 +161,23 @@ def main(argv=None):
 
 
 def _summary(rows):
-  """One line per setting: every run's lower bound, and the largest."""
-  print('\n| privatizer | printed eps | lower bounds | largest |\n'
-        '|---|---|---|---|')
+  """One line per setting: every run's bounds and claim tests, the largest."""
+  print('\n| privatizer | printed eps | lower bounds | largest | '
+        'Gaussian eps | largest | claim rejected |\n'
+        '|---|---|---|---|---|---|---|')
   by_setting = {}
   for row in rows:
     by_setting.setdefault((row['privatizer'], row['target_epsilon']),
                           []).append(row)
   for (name, _), runs in by_setting.items():
     found = [r['epsilon_lower_bound'] for r in runs]
+    gaussian = [r.get('gaussian_epsilon', 0.0) for r in runs]
+    tested = [r['claim_rejected'] for r in runs
+              if r.get('claim_rejected') is not None]
     print(f"| {name} | {runs[0]['printed_epsilon']:.2f} | "
-          f"{', '.join(f'{e:.2f}' for e in found)} | {max(found):.2f} |")
+          f"{', '.join(f'{e:.2f}' for e in found)} | {max(found):.2f} | "
+          f"{', '.join(f'{e:.2f}' for e in gaussian)} | {max(gaussian):.2f} | "
+          f"{f'{sum(tested)} of {len(tested)}' if tested else '-'} |")
 
 
 if __name__ == '__main__':

@@ -1,7 +1,9 @@
 """Lower bounds on epsilon from an attacker's guesses about canaries.
 
-Two tests, each of the null hypothesis "the training run is (eps, delta)-DP",
-rejected at a confidence level; the largest rejected eps is the lower bound.
+Tests of the null hypothesis "the training run is (eps, delta)-DP", rejected
+at a confidence level; the largest rejected eps is the lower bound. The
+f-DP one-run test, of whole tradeoff curves, is `fdp_bounds`;
+`one_run_audit` reports both.
 
 * One run (Steinke, Nasr, Jagielski 2023): m canaries, each included
   independently with probability 1/2; the attacker guesses in or out for r of
@@ -16,10 +18,12 @@ rejected at a confidence level; the largest rejected eps is the lower bound.
 """
 
 import math
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 from scipy import stats
+
+from tfdpx.audit import fdp_bounds
 
 
 def one_run_p_value(num_canaries: int, num_guesses: int, num_correct: int,
@@ -94,40 +98,90 @@ def guesses(scores: Sequence[float], included: Sequence[bool],
   return 2 * half, int(correct)
 
 
+# The attacks' sizes, as shares of the canaries: each costs the others
+# confidence; these did best in simulated audits of DP-SGD, half its noise
+# and no sampling (docs/auditing.md).
+GUESS_FRACTIONS = (0.05, 0.1, 0.2, 0.5, 1.0)
+
+
 def one_run_audit(scores, included: Sequence[bool], *,
                   delta: float, confidence: float = 0.95,
-                  guess_fractions: Sequence[float] = (0.02, 0.05, 0.1, 0.2, 0.5,
-                                                      1.0)) -> dict:
-  """The one-run lower bound from canary scores (higher: more likely in).
+                  guess_fractions: Sequence[float] = GUESS_FRACTIONS,
+                  claim: Optional[fdp_bounds.Hypothesis] = None) -> dict:
+  """The one-run lower bounds from canary scores (higher: more likely in).
 
   Each score (one array, or a dict of named arrays: several attacks) and
-  each fraction of the canaries is one attack (`guesses`); they are tested
-  at `1 - (1 - confidence) / (number of attacks)` each (Bonferroni), so the
-  largest of their bounds holds at `confidence`.
+  each fraction of the canaries is one attack (`guesses`). Each statement
+  below holds at `confidence` on its own: its tests share
+  `1 - confidence` equally (Bonferroni), so the best attack's is valid.
+
+  * `epsilon_lower_bound`: the run is not (eps, delta)-DP for a smaller
+    eps. Per attack, Steinke et al.'s test (`one_run_epsilon_lower_bound`)
+    and the f-DP test of (eps, delta)-DP (`fdp_bounds`): two tests an
+    attack. It holds for every mechanism.
+  * `gaussian_mu_lower_bound`: the run is not mu-GDP for a smaller mu (the
+    f-DP test, Mahloujifar et al. 2024); `gaussian_epsilon` is the epsilon
+    at `delta` of a mechanism that is exactly that mu-GDP: a lower bound on
+    the run's epsilon when its tradeoff curve is Gaussian-shaped (the
+    paper's empirical epsilon), not for every mechanism.
+  * `claim_rejected` (given `claim`, e.g. `fdp_bounds.claimed_profile` of
+    the accountant's event): whether the run is shown not to satisfy the
+    tradeoff curve it claims, a test of the whole curve, not only of its
+    epsilon at delta. None without a claim.
 
   Returns:
-    A dict: `epsilon_lower_bound`, and the attack that gave it: `score` (its
-    name; None for a single array), `num_guesses`, `num_correct`; and
-    `ceiling`, the largest bound these attacks could give (every guess
-    right): a bound far below it is a step's privacy or the attack's lack
-    of power, one near it may be either.
+    A dict: the statements above; the attack of `epsilon_lower_bound`:
+    `score` (its name; None for a single array), `num_guesses`,
+    `num_correct`, `test` ('steinke' or 'f-dp'); and the ceilings
+    `ceiling` and `gaussian_ceiling`, the largest `epsilon_lower_bound` and
+    `gaussian_epsilon` these attacks could give (every guess right): a
+    bound far below its ceiling is a step's privacy or the attack's lack of
+    power, one near it may be either.
   """
   named = scores if isinstance(scores, dict) else {None: scores}
-  each = 1 - (1 - confidence) / (len(guess_fractions) * len(named))
-  best = {'epsilon_lower_bound': 0.0, 'score': None, 'num_guesses': 0,
-          'num_correct': 0, 'ceiling': 0.0}
+  attacks = []  # (name, canaries, guesses, correct)
   for name, values in named.items():
-    m = len(values)
     for fraction in guess_fractions:
-      r, v = guesses(values, included, max(2, int(fraction * m)))
-      eps = one_run_epsilon_lower_bound(m, r, v, delta=delta,
-                                        confidence=each)
-      if eps > best['epsilon_lower_bound'] or not best['num_guesses']:
-        best.update(epsilon_lower_bound=eps, score=name, num_guesses=r,
-                    num_correct=v)
-      best['ceiling'] = max(best['ceiling'], one_run_epsilon_lower_bound(
-          m, r, r, delta=delta, confidence=each))
-  return best
+      r, v = guesses(values, included, max(2, int(fraction * len(values))))
+      attacks.append((name, len(values), r, v))
+  alpha = 1 - confidence
+  steinke_confidence = 1 - alpha / (2 * len(attacks))
+  fdp_level = alpha / (2 * len(attacks))
+  gaussian_level = alpha / len(attacks)
+
+  def epsilon_of(m, r, v):
+    return max(
+        (one_run_epsilon_lower_bound(m, r, v, delta=delta,
+                                     confidence=steinke_confidence),
+         'steinke'),
+        (fdp_bounds.epsilon_lower_bound(m, r, v, delta=delta,
+                                        level=fdp_level), 'f-dp'))
+
+  best = {'epsilon_lower_bound': -1.0}
+  mu = 0.0
+  for name, m, r, v in attacks:
+    eps, test = epsilon_of(m, r, v)
+    if eps > best['epsilon_lower_bound']:
+      best = {'epsilon_lower_bound': eps, 'score': name, 'num_guesses': r,
+              'num_correct': v, 'test': test}
+    mu = max(mu, fdp_bounds.gaussian_mu_lower_bound(m, r, v,
+                                                    level=gaussian_level))
+  # Every guess right; the bounds grow with the guesses' number, but not
+  # monotonically in their share: each size is tried once.
+  sizes = sorted({(m, r) for _, m, r, _ in attacks})
+  perfect_mu = max(fdp_bounds.gaussian_mu_lower_bound(
+      m, r, r, level=gaussian_level) for m, r in sizes)
+  rejected = None
+  if claim is not None:
+    rejected = any(bool(fdp_bounds.rejects(claim, m, r, v,
+                                           level=gaussian_level))
+                   for _, m, r, v in attacks)
+  return {**best,
+          'ceiling': max(epsilon_of(m, r, r)[0] for m, r in sizes),
+          'gaussian_mu_lower_bound': mu,
+          'gaussian_epsilon': fdp_bounds.gaussian_epsilon(mu, delta),
+          'gaussian_ceiling': fdp_bounds.gaussian_epsilon(perfect_mu, delta),
+          'claim_rejected': rejected}
 
 
 def _rate_upper_bounds(errors: np.ndarray, trials: int,

@@ -11,6 +11,7 @@ from tfdpx import keras as tfdpx_keras
 from tfdpx import sampling
 from tfdpx.audit import bounds
 from tfdpx.audit import canaries as canaries_lib
+from tfdpx.audit import fdp_bounds
 from tfdpx.audit import scores as scores_lib
 
 
@@ -45,7 +46,8 @@ def train_with_canaries(privatizer: core.Privatizer,
     A dict: `scores` (one per canary), `updates` (`[steps, canaries]`, each
     step's change of each canary's coordinate, or None: `canaries.trace`),
     `printed_epsilon` (the accountant's epsilon at `delta` for the steps
-    taken), `steps`, `denominator` (the optimizer's).
+    taken), `event` (its DpEvent of those steps), `steps`, `denominator`
+    (the optimizer's).
   """
   included = np.asarray(included, bool)
   if included.shape != (canaries.num_canaries,):
@@ -79,6 +81,9 @@ def train_with_canaries(privatizer: core.Privatizer,
   return {'scores': canaries.scores(trained, model),
           'updates': None if trace is None else trace.updates(),
           'printed_epsilon': float(printed),
+          'event': accounting.training_event(
+              optimizer, steps=None,
+              sampling_probability=sampling_probability),
           'steps': int(optimizer.dp_steps.numpy()),
           'denominator': optimizer.denominator}
 
@@ -122,11 +127,15 @@ def one_run(privatizer: core.Privatizer,
             physical_batch_size: Optional[int] = None,
             batch_sampling_probability: Optional[float] = None,
             scores: Sequence[str] = DEFAULT_SCORES) -> dict:
-  """The one-run audit (Steinke, Nasr, Jagielski 2023) of one training run.
+  """The one-run audit of one training run.
 
   Each canary is included independently with probability 1/2 (a secret
-  draw); the run's canary scores (`score_sets`: each one attack) give a
-  lower bound on epsilon at `confidence` (`bounds.one_run_audit`).
+  draw); the run's canary scores (`score_sets`: each one attack) give, at
+  `confidence` each (`bounds.one_run_audit`): a lower bound on epsilon
+  (Steinke, Nasr, Jagielski 2023, and the f-DP test of Mahloujifar, Melis,
+  Chaudhuri 2024), a lower bound on mu-GDP, and whether the run breaks the
+  tradeoff curve its accountant claims (`fdp_bounds.claimed_profile` of the
+  run's event).
 
   Args:
     privatizer: the noise step, at the noise multiplier to audit.
@@ -147,8 +156,10 @@ def one_run(privatizer: core.Privatizer,
       10,000 canaries `('final',)` alone reaches further (docs/auditing.md).
 
   Returns:
-    A dict: `epsilon_lower_bound`, `printed_epsilon`, `delta`, `confidence`,
-    `num_canaries`, `score`, `num_guesses`, `num_correct`, `steps`.
+    A dict: `bounds.one_run_audit`'s (`epsilon_lower_bound`, `ceiling`,
+    `gaussian_mu_lower_bound`, `gaussian_epsilon`, `gaussian_ceiling`,
+    `claim_rejected`, the attack), `printed_epsilon`, `delta`,
+    `confidence`, `num_canaries`, `steps`.
   """
   included = np.random.default_rng(sampling.secret_entropy()).random(
       canaries.num_canaries) < 0.5
@@ -161,7 +172,8 @@ def one_run(privatizer: core.Privatizer,
   found = bounds.one_run_audit(
       score_sets(run, privatizer, sampling_probability=sampling_probability,
                  learning_rate=learning_rate, names=scores),
-      included, delta=delta, confidence=confidence)
+      included, delta=delta, confidence=confidence,
+      claim=fdp_bounds.claimed_profile(run['event']))
   return {**found, 'printed_epsilon': run['printed_epsilon'], 'delta': delta,
           'confidence': confidence, 'num_canaries': canaries.num_canaries,
           'steps': run['steps']}
