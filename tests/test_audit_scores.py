@@ -46,3 +46,20 @@ def test_the_spread_is_zero_without_a_canary_when_noise_repeats():
 def test_q_must_be_a_rate():
   with pytest.raises(ValueError, match='q'):
     scores.likelihood_ratio(np.zeros((2, 2)), 1.0, 0.0)
+
+
+def test_releases_undo_keras_momentum():
+  """Keras SGD with momentum: v_t = beta v_{t-1} - lr g_t, the weight moves
+  by v_t. The releases recovered from the moves are -lr g_t."""
+  rng = np.random.default_rng(3)
+  beta, lr = 0.9, 0.1
+  grads = rng.standard_normal((6, 4))
+  velocity, moves = np.zeros(4), []
+  for g in grads:
+    velocity = beta * velocity - lr * g
+    moves.append(velocity)
+  np.testing.assert_allclose(scores.releases(np.array(moves), beta),
+                             -lr * grads, rtol=1e-12)
+  np.testing.assert_array_equal(scores.releases(grads, 0.0), grads)
+  with pytest.raises(ValueError, match='momentum'):
+    scores.releases(grads, 1.0)

@@ -124,6 +124,27 @@ def test_the_no_sampling_flaw_puts_every_canary_in_every_batch(digits):
       _dp_sgd_epsilon(1.0), rel=1e-6)
 
 
+def test_momentum_is_undone_to_each_steps_release(digits):
+  """With momentum a coordinate's moves pile up past releases; the scores
+  undo it: with no noise and every record in every batch, each included
+  canary releases its clipped share at every step, each excluded none."""
+  x, y, _ = digits
+  included = np.array([True, False, True, False])
+  found = run.train_with_canaries(
+      flaws.FlawedGaussian(settings.L2_NORM_CLIP, 1.0, 'no_noise'),
+      settings.mlp, x, y, canaries=canaries_lib.GradientCanaries(4),
+      included=included, sampling_probability=Q, steps=STEPS, delta=DELTA,
+      batch_sampling_probability=1.0, momentum=0.9)
+  share = 0.1 * settings.L2_NORM_CLIP / found['denominator']  # SGD's step.
+  assert found['updates'][-1, 0] > 5 * share  # Piled up.
+  sets = run.score_sets(found, None, sampling_probability=Q,
+                        learning_rate=0.1, momentum=0.9,
+                        names=('final', 'spread'))
+  np.testing.assert_allclose(sets['final'], share * STEPS * included,
+                             rtol=1e-4, atol=1e-9)
+  np.testing.assert_allclose(sets['spread'], 0.0, atol=1e-4 * share)
+
+
 def test_the_scores_are_chosen_and_unknown_ones_named(digits):
   found = _audit(settings.PRIVATIZERS['gaussian'], 16.0, digits)
   alone = run.one_run(

@@ -52,6 +52,8 @@ def _parser():
       help='Poisson sampling rate q')
   add('--steps', type=int, default=20, help='training steps per run')
   add('--learning_rate', type=float, default=0.1, help='SGD learning rate')
+  add('--momentum', type=float, default=0.0,
+      help="SGD's momentum (the white-box scores undo it)")
   add('--physical_batch_size', type=int, default=None,
       help='run each batch as virtual batches of this size')
   add('--delta', type=float, default=1e-5,
@@ -94,7 +96,8 @@ def _report(args, row, rows):
 def _settings(args, **extra):
   return {'canaries': args.canaries, 'num_canaries': args.num_canaries,
           'sampling_probability': args.sampling_probability,
-          'steps': args.steps, 'scores': args.scores, **extra}
+          'steps': args.steps, 'scores': args.scores,
+          'momentum': args.momentum, **extra}
 
 
 def main(argv=None):
@@ -140,7 +143,8 @@ def main(argv=None):
       found = run.one_run(privatizer, settings.mlp, x, y,
                           canaries=_canaries(args, x, y),
                           batch_sampling_probability=batch_rate,
-                          scores=args.scores, **common)
+                          scores=args.scores, momentum=args.momentum,
+                          **common)
       _report(args, {'privatizer': name, 'target_epsilon': epsilon,
                'audit': 'one_run', **found,
                'noise_multiplier': privatizer.noise_multiplier,

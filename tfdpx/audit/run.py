@@ -30,8 +30,8 @@ def train_with_canaries(privatizer: core.Privatizer,
                         steps: int, delta: float, learning_rate: float = 0.1,
                         public_data=None, jit_compile: bool = False,
                         physical_batch_size: Optional[int] = None,
-                        batch_sampling_probability: Optional[float] = None
-                       ) -> dict:
+                        batch_sampling_probability: Optional[float] = None,
+                        momentum: float = 0.0) -> dict:
   """One private training run with the canaries `included` marks.
 
   The run is a user's: `make_private(model)`, `tfdpx.keras.DPSGD` around
@@ -41,6 +41,7 @@ def train_with_canaries(privatizer: core.Privatizer,
   (`make_private`). `batch_sampling_probability` is the rate the batches are
   really drawn at (default `sampling_probability`, which the accountant is
   told): another only to audit a flawed pipeline (`flaws.PIPELINE_FLAWS`).
+  `momentum` is SGD's (Keras', not Nesterov).
 
   Returns:
     A dict: `scores` (one per canary), `updates` (`[steps, canaries]`, each
@@ -65,7 +66,8 @@ def train_with_canaries(privatizer: core.Privatizer,
                                 expected_batch_size=expected_batch_size(
                                     len(y), canaries.num_canaries,
                                     sampling_probability),
-                                learning_rate=learning_rate)
+                                learning_rate=learning_rate,
+                                momentum=momentum)
   trained.compile(optimizer, canaries.loss(), jit_compile=jit_compile)
   batches = sampling.poisson_batches(
       records_x, records_y,
@@ -97,24 +99,31 @@ DEFAULT_SCORES = ('final', 'spread')
 
 def score_sets(run: dict, privatizer: core.Privatizer, *,
                sampling_probability: float, learning_rate: float,
+               momentum: float = 0.0,
                names: Sequence[str] = SCORES) -> dict:
-  """The scores `names` of one run (`tfdpx.audit.scores`): `final`, the
-  canary's score at the end; with every step's release (gradient canaries)
-  `likelihood`, the ratio for DP-SGD at the privatizer's noise multiplier
-  and clip norm, and `spread`."""
+  """The scores `names` of one run (`tfdpx.audit.scores`).
+
+  With every step's release (gradient canaries; under momentum, undone
+  with the optimizer known: `scores.releases`): `final`, their sum (with
+  SGD the final coordinate); `likelihood`, the ratio for DP-SGD at the
+  privatizer's noise multiplier and clip norm; `spread`. Without (input
+  canaries): `final`, the canary's score at the end.
+  """
   unknown = sorted(set(names) - set(SCORES))
   if unknown or not names:
     raise ValueError(f'scores must be some of {SCORES}, got {names!r}')
-  sets = {'final': run['scores']}
-  updates = run['updates']
-  if updates is not None:
-    z = privatizer.noise_multiplier
+  if run['updates'] is None:
+    sets = {'final': run['scores']}
+  else:
+    released = scores_lib.releases(run['updates'], momentum)
+    sets = {'final': scores_lib.total(released),
+            'spread': scores_lib.spread(released)}
+    z = privatizer.noise_multiplier if 'likelihood' in names else 0
     if z > 0:
       clip = privatizer.reference_l2_norm_clip or 1.0
       noise_std = learning_rate * z * clip / run['denominator']
       sets['likelihood'] = scores_lib.likelihood_ratio(
-          updates / noise_std, 1 / z, sampling_probability)
-    sets['spread'] = scores_lib.spread(updates)
+          released / noise_std, 1 / z, sampling_probability)
   return {name: sets[name] for name in names if name in sets}
 
 
@@ -126,7 +135,8 @@ def one_run(privatizer: core.Privatizer,
             jit_compile: bool = False,
             physical_batch_size: Optional[int] = None,
             batch_sampling_probability: Optional[float] = None,
-            scores: Sequence[str] = DEFAULT_SCORES) -> dict:
+            scores: Sequence[str] = DEFAULT_SCORES,
+            momentum: float = 0.0) -> dict:
   """The one-run audit of one training run.
 
   Each canary is included independently with probability 1/2 (a secret
@@ -154,6 +164,7 @@ def one_run(privatizer: core.Privatizer,
     scores: the attacks' scores, some of `SCORES`. They share the
       confidence (Bonferroni), which lowers every attack's ceiling: with
       10,000 canaries `('final',)` alone reaches further (docs/auditing.md).
+    momentum: SGD's; the scores undo it (`scores.releases`).
 
   Returns:
     A dict: `bounds.one_run_audit`'s (`epsilon_lower_bound`, `ceiling`,
@@ -168,10 +179,12 @@ def one_run(privatizer: core.Privatizer,
       sampling_probability=sampling_probability, steps=steps, delta=delta,
       learning_rate=learning_rate, public_data=public_data,
       jit_compile=jit_compile, physical_batch_size=physical_batch_size,
-      batch_sampling_probability=batch_sampling_probability)
+      batch_sampling_probability=batch_sampling_probability,
+      momentum=momentum)
   found = bounds.one_run_audit(
       score_sets(run, privatizer, sampling_probability=sampling_probability,
-                 learning_rate=learning_rate, names=scores),
+                 learning_rate=learning_rate, momentum=momentum,
+                 names=scores),
       included, delta=delta, confidence=confidence,
       claim=fdp_bounds.claimed_profile(run['event']))
   return {**found, 'printed_epsilon': run['printed_epsilon'], 'delta': delta,

@@ -17,8 +17,24 @@ ones that have power against the cases `tfdpx.audit.flaws` plants.
 import numpy as np
 
 
+def releases(updates: np.ndarray, momentum: float) -> np.ndarray:
+  """Each step's own release from the coordinate's changes: `[T, m] -> [T, m]`.
+
+  SGD with momentum (Keras: `v_t = momentum v_{t-1} - lr g_t`, the weight
+  moves by `v_t`) spreads a step's release over every later change; an
+  attacker who knows the optimizer undoes it: `-lr g_t = v_t - momentum
+  v_{t-1}`. With plain SGD (momentum 0) the changes are the releases.
+  """
+  if not 0 <= momentum < 1:
+    raise ValueError(f'momentum must be in [0, 1), got {momentum!r}')
+  updates = np.asarray(updates, np.float64)
+  before = np.concatenate([np.zeros_like(updates[:1]), updates[:-1]])
+  return updates - momentum * before
+
+
 def total(updates: np.ndarray) -> np.ndarray:
-  """The sum of the steps' values (the final coordinate): `[T, m] -> [m]`.
+  """The sum of the steps' values (with SGD, the final coordinate):
+  `[T, m] -> [m]`.
 
   Most powerful for the Gaussian mechanism without sampling (q = 1).
   """
