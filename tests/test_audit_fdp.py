@@ -122,6 +122,13 @@ def test_a_claimed_curve_is_rejected_only_when_the_release_exceeds_it():
   assert sum(rejected(2.0) for _ in range(10)) >= 8
 
 
+def test_a_release_that_claims_no_privacy_is_never_rejected():
+  claim = fdp_bounds.claimed_profile(dp_accounting.NonPrivateDpEvent())
+  assert not fdp_bounds.rejects(claim, 1000, 100, 100, level=0.05)
+  strict = fdp_bounds.claimed_profile(dp_accounting.GaussianDpEvent(10.0))
+  assert fdp_bounds.rejects(strict, 1000, 100, 100, level=0.05)
+
+
 def test_more_right_guesses_reject_more():
   mus = np.linspace(0.0, 4.0, 41)
   previous = np.zeros_like(mus, bool)

@@ -4,8 +4,8 @@ Train with canaries, score how well an attacker tells included ones from
 excluded ones, and turn the guesses into a lower bound on the true epsilon
 that holds at a confidence level. A lower bound above the printed epsilon,
 or a run that breaks the tradeoff curve its accountant claims
-(`fdp_bounds`), means the implementation is broken. `python -m tfdpx.audit` runs the audits
-of docs/auditing.md.
+(`fdp_bounds`), means the implementation is broken. `python -m tfdpx.audit`
+runs the audits of docs/auditing.md.
 """
 
 from tfdpx.audit.bounds import one_run_audit

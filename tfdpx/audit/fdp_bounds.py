@@ -109,9 +109,13 @@ def claimed_profile(event: dp_accounting.DpEvent, *,
     accountant = dp_accounting.pld.PLDAccountant(
         value_discretization_interval=1e-2)
     accountant.compose(event)
-    epsilons = np.linspace(0.0, accountant.get_epsilon(1e-12), num_epsilons)
-    _PROFILES[key] = privacy_profile(
-        epsilons, [accountant.get_delta(e) for e in epsilons])
+    top = accountant.get_epsilon(1e-12)
+    if math.isinf(top):  # Not private: it claims nothing (delta 1 at eps 0).
+      _PROFILES[key] = privacy_profile([0.0], [1.0])
+    else:
+      epsilons = np.linspace(0.0, top, num_epsilons)
+      _PROFILES[key] = privacy_profile(
+          epsilons, [accountant.get_delta(e) for e in epsilons])
   return _PROFILES[key]
 
 
