@@ -105,10 +105,9 @@ def test_the_reused_noise_flaw_adds_one_draw_at_every_step():
                             _release(correct, sums, [3, 2]))
 
 
-def test_the_no_sampling_flaw_puts_every_canary_in_every_batch(digits):
-  """The pipeline flaw: batches drawn at rate 1 while the accountant is told
-  q. Every step then moves every included canary's coordinate by the
-  canary's clipped share and no excluded one's (no noise here)."""
+def _every_record_in_every_batch_without_noise(digits, **kwargs):
+  """Canaries 0 and 2 of 4 included, the pipeline flaw's batches (rate 1),
+  no noise: `(run, included, a canary's clipped share of an SGD step)`."""
   x, y, _ = digits
   included = np.array([True, False, True, False])
   found = run.train_with_canaries(
@@ -116,8 +115,15 @@ def test_the_no_sampling_flaw_puts_every_canary_in_every_batch(digits):
       settings.mlp, x, y, canaries=canaries_lib.GradientCanaries(4),
       included=included, sampling_probability=Q, steps=STEPS, delta=DELTA,
       batch_sampling_probability=settings.batch_sampling_probability(
-          'no_sampling'))
-  share = 0.1 * settings.L2_NORM_CLIP / found['denominator']  # SGD's step.
+          'no_sampling'), **kwargs)
+  return found, included, 0.1 * settings.L2_NORM_CLIP / found['denominator']
+
+
+def test_the_no_sampling_flaw_puts_every_canary_in_every_batch(digits):
+  """The pipeline flaw: batches drawn at rate 1 while the accountant is told
+  q. Every step then moves every included canary's coordinate by the
+  canary's clipped share and no excluded one's (no noise here)."""
+  found, included, share = _every_record_in_every_batch_without_noise(digits)
   np.testing.assert_allclose(found['updates'][:, included], share, rtol=1e-5)
   np.testing.assert_array_equal(found['updates'][:, ~included], 0.0)
   assert found['printed_epsilon'] == pytest.approx(  # Told q, not 1.
@@ -128,14 +134,8 @@ def test_momentum_is_undone_to_each_steps_release(digits):
   """With momentum a coordinate's moves pile up past releases; the scores
   undo it: with no noise and every record in every batch, each included
   canary releases its clipped share at every step, each excluded none."""
-  x, y, _ = digits
-  included = np.array([True, False, True, False])
-  found = run.train_with_canaries(
-      flaws.FlawedGaussian(settings.L2_NORM_CLIP, 1.0, 'no_noise'),
-      settings.mlp, x, y, canaries=canaries_lib.GradientCanaries(4),
-      included=included, sampling_probability=Q, steps=STEPS, delta=DELTA,
-      batch_sampling_probability=1.0, momentum=0.9)
-  share = 0.1 * settings.L2_NORM_CLIP / found['denominator']  # SGD's step.
+  found, included, share = _every_record_in_every_batch_without_noise(
+      digits, momentum=0.9)
   assert found['updates'][-1, 0] > 5 * share  # Piled up.
   sets = run.score_sets(found, None, sampling_probability=Q,
                         learning_rate=0.1, momentum=0.9,
