@@ -17,6 +17,7 @@ f-DP one-run test, of whole tradeoff curves, is `fdp_bounds`;
   `eps >= log((1 - delta - FNR) / FPR)`.
 """
 
+import functools
 import math
 from typing import Optional, Sequence, Tuple
 
@@ -144,44 +145,54 @@ def one_run_audit(scores, included: Sequence[bool], *,
     for fraction in guess_fractions:
       r, v = guesses(values, included, max(2, int(fraction * len(values))))
       attacks.append((name, len(values), r, v))
-  alpha = 1 - confidence
-  steinke_confidence = 1 - alpha / (2 * len(attacks))
-  fdp_level = alpha / (2 * len(attacks))
-  gaussian_level = alpha / len(attacks)
-
-  def epsilon_of(m, r, v):
-    return max(
-        (one_run_epsilon_lower_bound(m, r, v, delta=delta,
-                                     confidence=steinke_confidence),
-         'steinke'),
-        (fdp_bounds.epsilon_lower_bound(m, r, v, delta=delta,
-                                        level=fdp_level), 'f-dp'))
-
+  levels = _levels(1 - confidence, len(attacks))
   best = {'epsilon_lower_bound': -1.0}
   mu = 0.0
   for name, m, r, v in attacks:
-    eps, test = epsilon_of(m, r, v)
+    eps, test = _epsilon_bound(m, r, v, delta, *levels[:2])
     if eps > best['epsilon_lower_bound']:
       best = {'epsilon_lower_bound': eps, 'score': name, 'num_guesses': r,
               'num_correct': v, 'test': test}
     mu = max(mu, fdp_bounds.gaussian_mu_lower_bound(m, r, v,
-                                                    level=gaussian_level))
+                                                    level=levels[2]))
   # Every guess right; the bounds grow with the guesses' number, but not
   # monotonically in their share: each size is tried once.
-  sizes = sorted({(m, r) for _, m, r, _ in attacks})
-  perfect_mu = max(fdp_bounds.gaussian_mu_lower_bound(
-      m, r, r, level=gaussian_level) for m, r in sizes)
+  perfect = [_all_right(m, r, delta, *levels)
+             for m, r in sorted({(m, r) for _, m, r, _ in attacks})]
   rejected = None
   if claim is not None:
-    rejected = any(bool(fdp_bounds.rejects(claim, m, r, v,
-                                           level=gaussian_level))
+    rejected = any(bool(fdp_bounds.rejects(claim, m, r, v, level=levels[2]))
                    for _, m, r, v in attacks)
   return {**best,
-          'ceiling': max(epsilon_of(m, r, r)[0] for m, r in sizes),
+          'ceiling': max(eps for eps, _ in perfect),
           'gaussian_mu_lower_bound': mu,
           'gaussian_epsilon': fdp_bounds.gaussian_epsilon(mu, delta),
-          'gaussian_ceiling': fdp_bounds.gaussian_epsilon(perfect_mu, delta),
+          'gaussian_ceiling': fdp_bounds.gaussian_epsilon(
+              max(mu for _, mu in perfect), delta),
           'claim_rejected': rejected}
+
+
+def _levels(alpha: float, num_attacks: int) -> Tuple[float, float, float]:
+  """Each test's share of `alpha`: Steinke's confidence and the f-DP
+  (eps, delta) level (two tests an attack), the Gaussian level (one)."""
+  return (1 - alpha / (2 * num_attacks), alpha / (2 * num_attacks),
+          alpha / num_attacks)
+
+
+def _epsilon_bound(m, r, v, delta, steinke_confidence, fdp_level):
+  """The better of Steinke's and the f-DP (eps, delta) bound, and its name."""
+  return max(
+      (one_run_epsilon_lower_bound(m, r, v, delta=delta,
+                                   confidence=steinke_confidence), 'steinke'),
+      (fdp_bounds.epsilon_lower_bound(m, r, v, delta=delta, level=fdp_level),
+       'f-dp'))
+
+
+@functools.lru_cache(maxsize=256)  # The same for every audit of a setting.
+def _all_right(m, r, delta, steinke_confidence, fdp_level, gaussian_level):
+  """`(epsilon bound, mu bound)` of r right guesses of r."""
+  return (_epsilon_bound(m, r, r, delta, steinke_confidence, fdp_level)[0],
+          fdp_bounds.gaussian_mu_lower_bound(m, r, r, level=gaussian_level))
 
 
 def _rate_upper_bounds(errors: np.ndarray, trials: int,
