@@ -83,7 +83,7 @@ def test_guesses_count_top_as_in_and_bottom_as_out():
     bounds.guesses(scores, included, 8)
 
 
-def _gaussian_epsilon(shift, delta):
+def gaussian_mechanism_epsilon(shift, delta):
   """Exact epsilon of the Gaussian mechanism, sensitivity `shift`, std 1."""
   accountant = dp_accounting.pld.PLDAccountant()
   accountant.compose(dp_accounting.GaussianDpEvent(1 / shift))
@@ -93,7 +93,7 @@ def _gaussian_epsilon(shift, delta):
 def test_two_run_bound_holds_and_detects_a_gaussian():
   rng = np.random.default_rng(3)
   shift, delta = 3.0, 1e-5
-  true_eps = _gaussian_epsilon(shift, delta)
+  true_eps = gaussian_mechanism_epsilon(shift, delta)
   found = [bounds.two_run_epsilon_lower_bound(
       rng.normal(shift, 1, 1000), rng.normal(0, 1, 1000), delta=delta)
            for _ in range(40)]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from scipy import optimize
 
+from tests.test_audit_bounds import gaussian_mechanism_epsilon
 from tfdpx.audit import bounds
 from tfdpx.audit import fdp_bounds
 
@@ -78,12 +79,9 @@ def test_the_bound_holds_and_is_near_the_tail_of_randomized_response(
 
 @pytest.mark.parametrize('mu,delta', [(0.5, 1e-5), (1.0, 1e-5), (3.0, 1e-3)])
 def test_gaussian_epsilon_is_the_gaussian_mechanisms(mu, delta):
-  # The Gaussian mechanism of sensitivity 1 and std 1 / mu is exactly mu-GDP.
-  accountant = dp_accounting.pld.PLDAccountant(
-      value_discretization_interval=1e-4)
-  accountant.compose(dp_accounting.GaussianDpEvent(1 / mu))
+  # The Gaussian mechanism of sensitivity mu and std 1 is exactly mu-GDP.
   assert fdp_bounds.gaussian_epsilon(mu, delta) == pytest.approx(
-      accountant.get_epsilon(delta), rel=2e-3)
+      gaussian_mechanism_epsilon(mu, delta), rel=2e-3)
 
 
 def _gaussian_scores(rng, m, mu):

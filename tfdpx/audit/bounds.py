@@ -145,23 +145,28 @@ def one_run_audit(scores, included: Sequence[bool], *,
     for fraction in guess_fractions:
       r, v = guesses(values, included, max(2, int(fraction * len(values))))
       attacks.append((name, len(values), r, v))
-  levels = _levels(1 - confidence, len(attacks))
+  # Steinke's and the f-DP (eps, delta) test share half of alpha per attack
+  # each; the mu-GDP test and the claim test have the whole per attack.
+  gaussian_level = (1 - confidence) / len(attacks)
+  steinke_confidence, fdp_level = 1 - gaussian_level / 2, gaussian_level / 2
   best = {'epsilon_lower_bound': -1.0}
   mu = 0.0
   for name, m, r, v in attacks:
-    eps, test = _epsilon_bound(m, r, v, delta, *levels[:2])
+    eps, test = _epsilon_bound(m, r, v, delta, steinke_confidence, fdp_level)
     if eps > best['epsilon_lower_bound']:
       best = {'epsilon_lower_bound': eps, 'score': name, 'num_guesses': r,
               'num_correct': v, 'test': test}
     mu = max(mu, fdp_bounds.gaussian_mu_lower_bound(m, r, v,
-                                                    level=levels[2]))
+                                                    level=gaussian_level))
   # Every guess right; the bounds grow with the guesses' number, but not
   # monotonically in their share: each size is tried once.
-  perfect = [_all_right(m, r, delta, *levels)
+  perfect = [_all_right(m, r, delta, steinke_confidence, fdp_level,
+                        gaussian_level)
              for m, r in sorted({(m, r) for _, m, r, _ in attacks})]
   rejected = None
   if claim is not None:
-    rejected = any(bool(fdp_bounds.rejects(claim, m, r, v, level=levels[2]))
+    rejected = any(bool(fdp_bounds.rejects(claim, m, r, v,
+                                           level=gaussian_level))
                    for _, m, r, v in attacks)
   return {**best,
           'ceiling': max(eps for eps, _ in perfect),
@@ -170,13 +175,6 @@ def one_run_audit(scores, included: Sequence[bool], *,
           'gaussian_ceiling': fdp_bounds.gaussian_epsilon(
               max(mu for _, mu in perfect), delta),
           'claim_rejected': rejected}
-
-
-def _levels(alpha: float, num_attacks: int) -> Tuple[float, float, float]:
-  """Each test's share of `alpha`: Steinke's confidence and the f-DP
-  (eps, delta) level (two tests an attack), the Gaussian level (one)."""
-  return (1 - alpha / (2 * num_attacks), alpha / (2 * num_attacks),
-          alpha / num_attacks)
 
 
 def _epsilon_bound(m, r, v, delta, steinke_confidence, fdp_level):

@@ -67,11 +67,18 @@ def gaussian(mu) -> Hypothesis:
   return lambda y: special.ndtr(special.ndtri(y) - mu)
 
 
+def _below_lines(y, growth, delta):
+  """The least probability that (eps, delta)-DP, `growth = e^eps`, allows
+  where the other neighbour's is y: `y <= e^eps x + delta` and its mirror
+  image `1 - y >= e^-eps (1 - x - delta)`."""
+  return np.maximum(0.0, np.maximum((y - delta) / growth,
+                                    1 - delta - growth * (1 - y)))
+
+
 def approximate_dp(epsilon, delta: float) -> Hypothesis:
   """(epsilon, delta)-DP: `max(0, (y - delta) e^-eps, 1 - delta - e^eps (1 - y))`."""
   growth = np.exp(np.asarray(epsilon, np.float64))
-  return lambda y: np.maximum(
-      0.0, np.maximum((y - delta) / growth, 1 - delta - growth * (1 - y)))
+  return lambda y: _below_lines(y, growth, delta)
 
 
 def privacy_profile(epsilons: Sequence[float],
@@ -86,12 +93,12 @@ def privacy_profile(epsilons: Sequence[float],
   if growth.shape != deltas.shape or growth.ndim != 1:
     raise ValueError('epsilons and deltas must be 1-D and of one length')
 
-  def inverse(y):
-    y = np.asarray(y, np.float64)[..., None]
-    return np.maximum(0.0, np.max(np.maximum(
-        (y - deltas) / growth, 1 - deltas - growth * (1 - y)), axis=-1))
+  return lambda y: np.max(
+      _below_lines(np.asarray(y, np.float64)[..., None], growth, deltas),
+      axis=-1)
 
-  return inverse
+
+_PROFILES = {}  # claimed_profile's, by (repr(event), num_epsilons)
 
 
 def claimed_profile(event: dp_accounting.DpEvent, *,
@@ -117,9 +124,6 @@ def claimed_profile(event: dp_accounting.DpEvent, *,
       _PROFILES[key] = privacy_profile(
           epsilons, [accountant.get_delta(e) for e in epsilons])
   return _PROFILES[key]
-
-
-_PROFILES = {}
 
 
 def rejects(hypothesis: Hypothesis, num_canaries: int, num_guesses: int,
@@ -170,13 +174,11 @@ def largest_rejected(rejected: Callable[[np.ndarray], np.ndarray], *,
     low, high = high, 2 * high
     if high > limit:
       return math.inf
-  for round_ in range(rounds):
+  for _ in range(rounds - 1):
     last = int(np.flatnonzero(inside)[-1])  # rejected below a threshold
-    low, high = grid[last], grid[last + 1]
-    if round_ + 1 < rounds:
-      grid = np.linspace(low, high, points)
-      inside = rejected(grid)
-  return float(low)
+    grid = np.linspace(grid[last], grid[last + 1], points)
+    inside = rejected(grid)
+  return float(grid[np.flatnonzero(inside)[-1]])
 
 
 def gaussian_mu_lower_bound(num_canaries: int, num_guesses: int,

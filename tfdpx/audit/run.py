@@ -118,8 +118,8 @@ def score_sets(run: dict, privatizer: core.Privatizer, *,
     released = scores_lib.releases(run['updates'], momentum)
     sets = {'final': scores_lib.total(released),
             'spread': scores_lib.spread(released)}
-    z = privatizer.noise_multiplier if 'likelihood' in names else 0
-    if z > 0:
+    if 'likelihood' in names and privatizer.noise_multiplier > 0:
+      z = privatizer.noise_multiplier
       clip = privatizer.reference_l2_norm_clip or 1.0
       noise_std = learning_rate * z * clip / run['denominator']
       sets['likelihood'] = scores_lib.likelihood_ratio(
