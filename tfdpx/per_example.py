@@ -16,12 +16,14 @@ microbatches are formed). Records whose gradient is not finite are dropped
 (zeroed) before any privatizer sees them. See docs/per_example.md.
 """
 
+import functools
 from typing import Any, List, NamedTuple, Optional, Sequence
 
 import tensorflow as tf
 
 from tfdpx import clipping
 from tfdpx import gradients
+from tfdpx import lanes
 from tfdpx.forms import unit as unit_lib
 
 # `weighted_sums` of a layer whose per-example gradient has at most this many
@@ -169,16 +171,21 @@ class UnitGradients(gradients.PerExampleGradients):
         read.
       of_unread: `of_unread(i)` for a variable no unit reads.
     """
-    answers = {}
-    for unit in self._units:
+    # The last layer's first: its output gradient is ready first.
+    asked = []  # (wanted, the unit's computation)
+    for unit in reversed(self._units):
       wanted = [None] * len(unit.variables)
       for i, readers in self._readers.items():
         if len(readers) == 1 and readers[0][0] is unit:
           wanted[readers[0][1]] = i
       if any(w is not None for w in wanted):
-        for j, answer in enumerate(of_unit(unit, wanted)):
-          if wanted[j] is not None:
-            answers[wanted[j]] = answer
+        asked.append((wanted, functools.partial(of_unit, unit, wanted)))
+    answers = {}
+    for (wanted, _), unit_answers in zip(
+        asked, lanes.in_lanes(compute for _, compute in asked)):
+      for j, answer in enumerate(unit_answers):
+        if wanted[j] is not None:
+          answers[wanted[j]] = answer
     shared = self._shared() if any(
         len(r) > 1 for r in self._readers.values()) else {}
     return [answers[i] if i in answers else
