@@ -403,6 +403,27 @@ def test_weighted_sums_of_large_units_equal_the_loop(name, monkeypatch):
   _check_against_the_loop(name)
 
 
+@pytest.mark.parametrize('name', ['dense_on_sequences', 'conv2d',
+                                  'einsum_dense'])
+def test_statistics_in_chunks_of_a_memory_budget_equal_the_loop(
+    name, monkeypatch):
+  # A large kernel's statistics are reduced from its per-example gradients
+  # in chunks of at most CHUNK_ENTRIES entries, however large chunk_size:
+  # here every kernel is "large" and the budget is two examples of 28.
+  monkeypatch.setattr(dense_forms, 'CACHED_KERNEL_SIZE', 0)
+  monkeypatch.setattr(dense_forms, 'CHUNK_ENTRIES', 56)
+  sizes = []
+  map_rows = chunks.map_rows
+
+  def recording(fn, elems, chunk_size, signature):
+    sizes.append(chunk_size)
+    return map_rows(fn, elems, chunk_size, signature)
+
+  monkeypatch.setattr(dense_forms.chunks, 'map_rows', recording)
+  _check_against_the_loop(name, chunk_size=128)
+  assert min(sizes) <= 4, sizes  # Not chunk_size: the budget.
+
+
 def test_rules_cover_the_ruled_layers_and_skip_what_they_cannot_do():
   x2 = tf.zeros([2, 5, 5, 3])
   ruled = [L.Dense(2), L.Conv2D(2, 2), L.LayerNormalization(),

@@ -34,6 +34,11 @@ RowsOf = Callable[[List[tf.Tensor]], tf.Tensor]
 # batch 1024, 64 MiB per layer.
 CACHED_KERNEL_SIZE = 16384
 
+# A statistic reduced from per-example kernel gradients forms at most this
+# many entries at once (16 MiB of float32): the encoder's 256 x 1024 kernels
+# 16 examples a chunk, not `chunk_size`.
+CHUNK_ENTRIES = 1 << 22
+
 
 class ProductUnit(unit.Unit):
   """A layer call whose kernel gradient is `A_i^T D_i` (plus a bias)."""
@@ -139,10 +144,13 @@ class ProductUnit(unit.Unit):
     if cached is not None:
       return statistic(gradients.MaterializedGradients(
           [gradients.slice_rows(cached, rows)]))[0]
+    lo, hi = self._columns(rows)
+    size = (hi - lo) * self._out
     return chunks.map_rows(
         lambda chunk: [statistic(gradients.MaterializedGradients(
             [self._kernel_of(chunk, rows)]))[0]],
-        self._elems + [self._d], self._chunk_size, [spec])[0]
+        self._elems + [self._d],
+        max(1, min(self._chunk_size, CHUNK_ENTRIES // size)), [spec])[0]
 
   def _ghost(self) -> bool:
     """Gram matrices over positions are cheaper than `[p, o]` per example."""
