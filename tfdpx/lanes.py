@@ -1,16 +1,16 @@
 """Independent computations built in a few lanes, to bound peak memory.
 
 TensorFlow's executor starts every op whose inputs are ready. Independent
-per-variable or per-layer computations (each layer's per-example statistics,
-each variable's projection) then run side by side, and the step's peak holds
-the temporaries of all of them at once. Built in lanes, computation `n` starts
-after computation `n - lanes` has finished: at most `lanes` of them are alive
-together, and with two lanes both cores of a small machine stay busy (measured
-against one lane on the encoder benchmark). Eager execution and XLA, which
-order ops themselves, are unaffected.
+per-layer computations (each layer's per-example statistics) then run side
+by side, and the step's peak holds the temporaries of all of them at once.
+Built in lanes, computation `n` starts after computation `n - lanes` has
+finished: at most `lanes` of them are alive together, and with two lanes both
+cores of a small machine stay busy (measured against one lane on the encoder
+benchmark). Eager execution and XLA, which order ops themselves, are
+unaffected.
 """
 
-from typing import Callable, Iterable, List, Sequence, TypeVar
+from typing import Callable, Iterable, List, TypeVar
 
 import tensorflow as tf
 

@@ -171,7 +171,8 @@ class UnitGradients(gradients.PerExampleGradients):
         read.
       of_unread: `of_unread(i)` for a variable no unit reads.
     """
-    # The last layer's first: its output gradient is ready first.
+    # In lanes (tfdpx.lanes), not all at once, to bound the peak; the last
+    # layer's first: its output gradient is ready first.
     asked = []  # (wanted, the unit's computation)
     for unit in reversed(self._units):
       wanted = [None] * len(unit.variables)
