@@ -455,9 +455,14 @@ class DPOptimizerMixin:
     context = tf.distribute.get_replica_context()
     replicas = context.num_replicas_in_sync if context is not None else 1
     # The result depends on the updates, so that TF1 graph mode, which runs
-    # only what is fetched, runs them.
+    # only what is fetched, runs them. Only the identities wait for them: a
+    # constant made under these dependencies (the denominator) would carry
+    # them, and grappler's constant folding, pushing it into the noisy sum's
+    # own products, would make the updates wait for themselves (a cycle:
+    # grappler then gives up on the whole step).
     with tf.control_dependencies(updates):
-      return [s / tf.cast(denominator * replicas, s.dtype) for s in noisy_sum]
+      noisy_sum = [tf.identity(s) for s in noisy_sum]
+    return [s / tf.cast(denominator * replicas, s.dtype) for s in noisy_sum]
 
   # --- Keras hooks -----------------------------------------------------------
 
