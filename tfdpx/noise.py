@@ -19,9 +19,7 @@ from typing import List, Optional, Sequence
 import tensorflow as tf
 
 from tfdpx import gradients
-
-# One explicit algorithm: 'auto_select' picks per device.
-_ALG = 'philox'
+from tfdpx import philox
 
 
 def _float64(value) -> tf.Tensor:
@@ -52,9 +50,7 @@ def standard_normal(shape, seed: tf.Tensor, stddev=1.0) -> tf.Tensor:
   size = tf.reduce_prod(shape)
   pairs = (size + 1) // 2
   # One draw, in rows: each word's slice is contiguous.
-  bits = tf.random.stateless_uniform(
-      tf.stack([3, pairs]), seed, minval=None, maxval=None, dtype=tf.uint32,
-      alg=_ALG)
+  bits = philox.bits(tf.stack([3, pairs]), seed)
   return tf.reshape(box_muller(bits, stddev)[:size], shape)
 
 
@@ -99,7 +95,7 @@ def substream(seed: tf.Tensor, name: str) -> tf.Tensor:
     An int32 tensor of shape `[2]` (a valid stateless seed).
   """
   label = zlib.crc32(name.encode()) & 0x7FFFFFFF
-  return tf.random.experimental.stateless_fold_in(seed, label, alg=_ALG)
+  return philox.fold_in(seed, label)
 
 
 def gaussian_like(

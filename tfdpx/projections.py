@@ -29,18 +29,18 @@ import math
 import numpy as np
 import tensorflow as tf
 
-_ALG = 'philox'
+from tfdpx import philox
+
 # A Gaussian block holds at most this many entries (16 MiB of float32).
 BLOCK_ENTRIES = 1 << 22
 
 
 def _bits(shape, key):
-  return tf.random.stateless_uniform(
-      shape, key, minval=None, maxval=None, dtype=tf.uint32, alg=_ALG)
+  return philox.bits(shape, key)
 
 
 def _fold(key, data: int):
-  return tf.random.experimental.stateless_fold_in(key, data, alg=_ALG)
+  return philox.fold_in(key, data)
 
 
 def projected_dim(d: int, ratio: float) -> int:

@@ -41,6 +41,7 @@ import tensorflow as tf
 from tfdpx import clipping
 from tfdpx import core
 from tfdpx import noise
+from tfdpx import philox
 from tfdpx import projections
 from tfdpx import schedules
 
@@ -211,16 +212,14 @@ class D2P2(core.Privatizer):
     """
     if step_key is None:
       step_key = self.step_key(step)
-    return tf.random.experimental.stateless_fold_in(step_key, index,
-                                                    alg='philox')
+    return philox.fold_in(step_key, index)
 
   def step_key(self, step) -> tf.Tensor:
     """The public key of all the projections of `step`."""
     base = noise.substream(
         tf.constant([self._projection_seed, 0], tf.int64), 'd2p2/projection')
     k = step if self._resample == 'every_step' else 0
-    return tf.random.experimental.stateless_fold_in(
-        base, tf.cast(k, tf.int64), alg='philox')
+    return philox.fold_in(base, tf.cast(k, tf.int64))
 
   def _gain_factor(self, d, p):
     if self._projection == 'gaussian':

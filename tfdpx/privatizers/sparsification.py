@@ -17,6 +17,7 @@ import tensorflow as tf
 from tfdpx import core
 from tfdpx import gradients
 from tfdpx import noise
+from tfdpx import philox
 
 _MASK_STREAM = 'sparsification_mask'
 
@@ -219,9 +220,7 @@ class Sparsified(core.Wrapper):
     # (spec §1.3 advises against float32 keys, which tie). tf.random's
     # stateless_shuffle has no XLA kernel; the raw Philox bits are the same
     # with and without XLA.
-    bits = tf.random.stateless_uniform(
-        [size, 2], key, minval=None, maxval=None, dtype=tf.uint32,
-        alg='philox')
+    bits = philox.bits([size, 2], key)
     keys = (tf.cast(bits[:, 0], tf.int64) * 2**31 +
             tf.cast(tf.bitwise.right_shift(bits[:, 1], 1), tf.int64))
     order = tf.argsort(keys, stable=True)
