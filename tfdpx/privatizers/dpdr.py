@@ -71,18 +71,20 @@ def decompose(per_example_grads: Sequence[tf.Tensor],
   ], axis=1)  # [B, num_variables]
   alpha = tf.transpose(
       tf.math.unsorted_segment_sum(tf.transpose(dots), blocks, num_slots))
-  alpha_of_variable = tf.gather(alpha, blocks, axis=1)
-  perp = [g - tf.cast(_broadcast(alpha_of_variable[:, i], g), g.dtype) * b
-          for i, (g, b) in enumerate(zip(per_example_grads, base))]
+  alpha_of_variable = tf.unstack(tf.gather(alpha, blocks, axis=1),
+                               num=len(base), axis=1)
+  perp = [g - tf.cast(_broadcast(a, g), g.dtype) * b
+          for g, b, a in zip(per_example_grads, base, alpha_of_variable)]
   return alpha, perp
 
 
 def reconstruct(alpha: tf.Tensor, perp: Sequence[tf.Tensor],
                 base: Sequence[tf.Tensor], blocks: tf.Tensor) -> List[tf.Tensor]:
   """`alpha_l * b_l + perp_l` per block, for aggregated `alpha` `[slots]`."""
-  alpha_of_variable = tf.gather(alpha, blocks)
-  return [p + tf.cast(alpha_of_variable[i], p.dtype) * b
-          for i, (p, b) in enumerate(zip(perp, base))]
+  # One unstack, not a slice per variable (four graph ops each).
+  alpha_of_variable = tf.unstack(tf.gather(alpha, blocks), num=len(base))
+  return [p + tf.cast(a, p.dtype) * b
+          for p, b, a in zip(perp, base, alpha_of_variable)]
 
 
 def effective_noise_multiplier(perp_noise_multiplier: float,
@@ -341,10 +343,11 @@ class DPDR(core.Privatizer):
     decomposing = self._decomposing(step)
     weighted, alpha_sum, grad_sum = sums['weighted'], sums['alpha'], sums[
         'grads']
-    weighted_of_variable = tf.gather(
-        tf.where(decomposing, weighted, tf.zeros_like(weighted)), blocks)
-    perp_sum = [g - tf.cast(weighted_of_variable[i], g.dtype) * b
-                for i, (g, b) in enumerate(zip(grad_sum, base))]
+    weighted_of_variable = tf.unstack(tf.gather(
+        tf.where(decomposing, weighted, tf.zeros_like(weighted)), blocks),
+                                      num=len(base))
+    perp_sum = [g - tf.cast(w, g.dtype) * b
+                for g, b, w in zip(grad_sum, base, weighted_of_variable)]
     # DP-SGD steps: the computation and draws of `gaussian(l2_norm_clip,
     # noise_multiplier)` (spec §8 U7).
     noisy = noise.add_gaussian(
@@ -375,15 +378,15 @@ class DPDR(core.Privatizer):
     num_slots = len(released)
     squares = tf.stack([tf.reduce_sum(tf.square(tf.cast(r, tf.float32)))
                         for r in released])
-    block_squares = tf.gather(
+    norm_sq = tf.gather(
         tf.math.unsorted_segment_sum(squares, blocks, num_slots), blocks)
-    base = []
-    for i, r in enumerate(released):
-      norm_sq = block_squares[i]
-      safe = tf.where(norm_sq > _MIN_SQUARED_NORM, norm_sq, 1.0)
-      scale = tf.where(norm_sq > _MIN_SQUARED_NORM, tf.math.rsqrt(safe), 0.0)
-      base.append(r * tf.cast(scale, r.dtype))
-    return base
+    # All the variables' scales at once: per-variable graph ops are the
+    # step's graph size (a large model has hundreds of variables).
+    nonzero = norm_sq > _MIN_SQUARED_NORM
+    scales = tf.where(nonzero,
+                      tf.math.rsqrt(tf.where(nonzero, norm_sq, 1.0)), 0.0)
+    return [r * tf.cast(scale, r.dtype)
+            for r, scale in zip(released, tf.unstack(scales, num=num_slots))]
 
 
 def dpdr(l2_norm_clip: float,
