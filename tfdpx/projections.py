@@ -35,14 +35,6 @@ from tfdpx import philox
 BLOCK_ENTRIES = 1 << 22
 
 
-def _bits(shape, key):
-  return philox.bits(shape, key)
-
-
-def _fold(key, data: int):
-  return philox.fold_in(key, data)
-
-
 def projected_dim(d: int, ratio: float) -> int:
   """`p = max(1, floor(ratio * d))` (spec P9)."""
   return max(1, int(math.floor(ratio * d)))
@@ -63,7 +55,7 @@ def standard_normal_f32(shape, key) -> tf.Tensor:
   shape = tf.cast(shape, tf.int32)
   size = tf.reduce_prod(shape)
   bits = tf.bitwise.right_shift(  # 24 random bits.
-      _bits(tf.stack([2, (size + 1) // 2]), key), 8)
+      philox.bits(tf.stack([2, (size + 1) // 2]), key), 8)
   u = (tf.cast(bits, tf.float32) + 0.5) * (2.0**-24)  # In (0, 1).
   radius = tf.sqrt(-2.0 * tf.math.log(u[0]))
   angle = (2.0 * math.pi) * u[1]
@@ -73,7 +65,7 @@ def standard_normal_f32(shape, key) -> tf.Tensor:
 
 def gaussian_block(key, block, block_rows: int, p: int) -> tf.Tensor:
   """Rows `block * block_rows ...` of `A` (some may lie past row d)."""
-  return standard_normal_f32([block_rows, p], _fold(key, block))
+  return standard_normal_f32([block_rows, p], philox.fold_in(key, block))
 
 
 def _num_blocks(d, block_rows):
@@ -218,7 +210,8 @@ def feistel_permutation(indices, key, bits: int) -> tf.Tensor:
   low_mask, high_mask = (1 << low_bits) - 1, (1 << high_bits) - 1
   # All rounds' tables from one draw (one op, not one per round: each random
   # op is dozens of graph nodes).
-  tables = tf.cast(_bits([FEISTEL_ROUNDS, 1 << high_bits], key), tf.int32)
+  tables = tf.cast(philox.bits([FEISTEL_ROUNDS, 1 << high_bits], key),
+                   tf.int32)
   high = tf.bitwise.right_shift(indices, low_bits)
   low = tf.bitwise.bitwise_and(indices, low_mask)
   for r in range(FEISTEL_ROUNDS):
@@ -237,8 +230,9 @@ def srht_parts(key, d: int, p: int):
   if p > dp:
     raise ValueError(f'cannot choose p={p} rows out of {dp}')
   signs = 1.0 - 2.0 * tf.cast(
-      tf.bitwise.bitwise_and(_bits([dp], key), 1), tf.float32)
-  rows = feistel_permutation(tf.range(p, dtype=tf.int32), _fold(key, 1),
+      tf.bitwise.bitwise_and(philox.bits([dp], key), 1), tf.float32)
+  rows = feistel_permutation(tf.range(p, dtype=tf.int32),
+                             philox.fold_in(key, 1),
                              dp.bit_length() - 1)
   return signs, rows
 

@@ -380,8 +380,7 @@ class DPDR(core.Privatizer):
                         for r in released])
     norm_sq = tf.gather(
         tf.math.unsorted_segment_sum(squares, blocks, num_slots), blocks)
-    # All the variables' scales at once: per-variable graph ops are the
-    # step's graph size (a large model has hundreds of variables).
+    # All the variables' scales at once, not a few graph ops per variable.
     nonzero = norm_sq > _MIN_SQUARED_NORM
     scales = tf.where(nonzero,
                       tf.math.rsqrt(tf.where(nonzero, norm_sq, 1.0)), 0.0)
