@@ -44,10 +44,16 @@ def slice_rows(tensor: tf.Tensor, rows: Optional[Tuple[int, int]],
   return tensor[(slice(None),) * axis + (slice(start, stop),)]
 
 
-def _flat(tensor: tf.Tensor, leading: int = 1) -> tf.Tensor:
-  """`tensor` with its first `leading` axes kept and the rest flattened."""
-  shape = tf.shape(tensor)
-  return tf.reshape(tensor, tf.concat([shape[:leading], [-1]], axis=0))
+def _flat(tensor: tf.Tensor) -> tf.Tensor:
+  """`[B, ...]` as `[B, rest]`.
+
+  A constant shape where the rest is static and not empty (one graph op,
+  against eight from the dynamic shape: graph ops cost memory).
+  """
+  rest = tensor.shape[1:].num_elements()
+  if rest:
+    return tf.reshape(tensor, [-1, rest])
+  return tf.reshape(tensor, tf.stack([tf.shape(tensor)[0], -1]))
 
 
 class PerExampleGradients(abc.ABC):

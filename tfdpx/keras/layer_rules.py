@@ -175,10 +175,11 @@ def _as_rows(tensor: tf.Tensor, width: int) -> tf.Tensor:
   `T` stays static when the batch size is not (`tf.data ... .batch(B)`,
   Keras's numpy adapter): the forms are chosen from it (`tfdpx.forms.dense`).
   """
-  rows = tf.reshape(tensor, [tf.shape(tensor)[0], -1, width])
   size = tensor.shape[1:].num_elements()
-  rows.set_shape([tensor.shape[0], None if size is None else size // width,
-                  width])
+  if size:  # A constant shape: one graph op, not nine.
+    return tf.reshape(tensor, [-1, size // width, width])
+  rows = tf.reshape(tensor, [tf.shape(tensor)[0], -1, width])
+  rows.set_shape([tensor.shape[0], None, width])
   return rows
 
 
