@@ -47,8 +47,8 @@ def slice_rows(tensor: tf.Tensor, rows: Optional[Tuple[int, int]],
 def _flat(tensor: tf.Tensor) -> tf.Tensor:
   """`[B, ...]` as `[B, rest]`.
 
-  A constant shape where the rest is static and not empty (one graph op,
-  against eight from the dynamic shape: graph ops cost memory).
+  A constant shape where the rest is static and not empty: two graph ops
+  (the reshape and its shape), against eight from the dynamic shape.
   """
   rest = tensor.shape[1:].num_elements()
   if rest:

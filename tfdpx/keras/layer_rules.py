@@ -176,7 +176,7 @@ def _as_rows(tensor: tf.Tensor, width: int) -> tf.Tensor:
   Keras's numpy adapter): the forms are chosen from it (`tfdpx.forms.dense`).
   """
   size = tensor.shape[1:].num_elements()
-  if size:  # A constant shape: one graph op, not nine.
+  if size:  # A constant shape: two graph ops, not nine.
     return tf.reshape(tensor, [-1, size // width, width])
   rows = tf.reshape(tensor, [tf.shape(tensor)[0], -1, width])
   rows.set_shape([tensor.shape[0], None, width])
