@@ -51,7 +51,8 @@ def zero_rows(per_example: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
   CNN's materialized kernel gradients it cost 2 ms a call. Smaller rows
   (statistics) are selected outright, without a `tf.cond` to trace.
   """
-  rows = tf.reshape(keep, [-1] + [1] * (per_example.shape.rank - 1))
+  rank = per_example.shape.rank
+  rows = keep if rank == 1 else tf.reshape(keep, [-1] + [1] * (rank - 1))
   row_size = per_example.shape[1:].num_elements()
   if row_size is not None and row_size < _COPY_ROW_SIZE:
     return tf.where(rows, per_example, tf.zeros_like(per_example))
