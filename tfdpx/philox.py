@@ -28,8 +28,10 @@ def _key_counter(seed: tf.Tensor):
   mixed = gen_stateless_random_ops_v2.stateless_random_uniform_full_int_v2(
       [2], key=tf.constant([_SCRAMBLE_KEY], tf.uint64),
       counter=tf.cast(seed, tf.uint64), dtype=tf.uint64, alg=_PHILOX)
-  key, high = tf.split(mixed, 2)
-  return key, tf.concat([tf.zeros([1], tf.uint64), high], 0)
+  # A slice and a product, not `tf.split` and `tf.concat`: TensorFlow has no
+  # GPU kernel for a uint64 split (and TF 2.21's graphs mangle a uint64
+  # constant above 2^63, so no bit mask either).
+  return mixed[:1], mixed * tf.constant([0, 1], tf.uint64)
 
 
 def bits(shape, seed: tf.Tensor, dtype=tf.uint32) -> tf.Tensor:
