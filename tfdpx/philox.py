@@ -7,7 +7,7 @@ data, alg='philox')` return, eager, in graphs and under XLA (tests check it
 bit for bit). tf.random derives Philox's key and counter from the seed with
 about 25 graph ops a call: each 64-bit half is put together from two 32-bit
 words by slicing, casting and shifting. Here one draw gives both halves as
-64-bit words (the same two words in the same order), about 8 ops. A
+64-bit words (the same two words in the same order), in 10 ops. A
 privatizer that keys a stream per variable derives hundreds of keys a step:
 D2P2's step on the encoder benchmark (67 variables) went from 18,500 to
 12,000 graph ops, and its peak memory at batch 64 from 2459 to 2330 MiB (a

@@ -71,18 +71,24 @@ def decompose(per_example_grads: Sequence[tf.Tensor],
   ], axis=1)  # [B, num_variables]
   alpha = tf.transpose(
       tf.math.unsorted_segment_sum(tf.transpose(dots), blocks, num_slots))
-  alpha_of_variable = tf.unstack(tf.gather(alpha, blocks, axis=1),
-                               num=len(base), axis=1)
+  alpha_of_variable = _of_variable(alpha, blocks, len(base), axis=1)
   perp = [g - tf.cast(_broadcast(a, g), g.dtype) * b
           for g, b, a in zip(per_example_grads, base, alpha_of_variable)]
   return alpha, perp
 
 
+def _of_variable(per_block: tf.Tensor, blocks: tf.Tensor, num_variables: int,
+                 axis: int = 0) -> List[tf.Tensor]:
+  """Each variable's entry of a per-block tensor, along `axis`: one unstack,
+  not a slice per variable (four graph ops each)."""
+  return tf.unstack(tf.gather(per_block, blocks, axis=axis),
+                    num=num_variables, axis=axis)
+
+
 def reconstruct(alpha: tf.Tensor, perp: Sequence[tf.Tensor],
                 base: Sequence[tf.Tensor], blocks: tf.Tensor) -> List[tf.Tensor]:
   """`alpha_l * b_l + perp_l` per block, for aggregated `alpha` `[slots]`."""
-  # One unstack, not a slice per variable (four graph ops each).
-  alpha_of_variable = tf.unstack(tf.gather(alpha, blocks), num=len(base))
+  alpha_of_variable = _of_variable(alpha, blocks, len(base))
   return [p + tf.cast(a, p.dtype) * b
           for p, b, a in zip(perp, base, alpha_of_variable)]
 
@@ -343,9 +349,9 @@ class DPDR(core.Privatizer):
     decomposing = self._decomposing(step)
     weighted, alpha_sum, grad_sum = sums['weighted'], sums['alpha'], sums[
         'grads']
-    weighted_of_variable = tf.unstack(tf.gather(
-        tf.where(decomposing, weighted, tf.zeros_like(weighted)), blocks),
-                                      num=len(base))
+    weighted_of_variable = _of_variable(
+        tf.where(decomposing, weighted, tf.zeros_like(weighted)), blocks,
+        len(base))
     perp_sum = [g - tf.cast(w, g.dtype) * b
                 for g, b, w in zip(grad_sum, base, weighted_of_variable)]
     # DP-SGD steps: the computation and draws of `gaussian(l2_norm_clip,
