@@ -11,13 +11,16 @@ import tensorflow as tf
 
 
 def _split(elems: Sequence[tf.Tensor], chunk_size: int):
-  """`elems` as `[num_chunks, c, ...]`, padded by repeating rows.
+  """The rows of each chunk, `[num_chunks, c]`, padded by repeating rows.
 
   `c` is `chunk_size`, or the batch size if smaller: a batch whose size is
   known only at run time (`tf.data ... .batch(B)`) that fits one chunk is
   one chunk of itself, as a static one is (`_fits_one_chunk`), not padded to
   `chunk_size`. Every chunk is a valid batch and shapes stay static under
-  XLA; `valid` (`[num_chunks, c]` bool) marks the real rows.
+  XLA; `valid` (`[num_chunks, c]` bool) marks the real rows. A chunk's rows
+  are gathered where it is computed (`_rows`), not all chunks up front: that
+  copy of the whole batch's inputs and output gradients, made for every
+  unit, could be alive for all the units at once.
   """
   batch = tf.shape(elems[0])[0]
   static_batch = elems[0].shape[0]
@@ -26,18 +29,15 @@ def _split(elems: Sequence[tf.Tensor], chunk_size: int):
   # At least 1: a Poisson batch may be empty.
   size = static_size or tf.maximum(tf.minimum(batch, chunk_size), 1)
   num_chunks = (batch + size - 1) // size
-  position = tf.range(num_chunks * size)
-  index = position % batch
+  position = tf.reshape(tf.range(num_chunks * size), [num_chunks, size])
+  rows = position % batch
+  rows.set_shape([None, static_size])
+  return rows, position < batch, batch
 
-  def split(tensor):
-    shape = tf.concat([tf.stack([num_chunks, size]),
-                       tf.shape(tensor)[1:]], axis=0)
-    chunks = tf.reshape(tf.gather(tensor, index), shape)
-    chunks.set_shape([None, static_size, *tensor.shape[1:]])
-    return chunks
 
-  valid = tf.reshape(position < batch, [num_chunks, size])
-  return [split(e) for e in elems], valid, batch
+def _rows(elems: Sequence[tf.Tensor], rows: tf.Tensor) -> List[tf.Tensor]:
+  """The chunk `rows` (`[c]`) of each of `elems`."""
+  return [tf.gather(e, rows) for e in elems]
 
 
 def _one_at_a_time(fn, chunks, signature):
@@ -74,10 +74,11 @@ def map_rows(fn: Callable[[List[tf.Tensor]], List[tf.Tensor]],
   elems = list(elems)
   if _fits_one_chunk(elems, chunk_size):
     return list(fn(elems))
-  chunks, _, batch = _split(elems, chunk_size)
-  size = chunks[0].shape[1]
+  rows, _, batch = _split(elems, chunk_size)
+  size = rows.shape[1]
   specs = [tf.TensorSpec([size, *s.shape], s.dtype) for s in signature]
-  outputs = _one_at_a_time(lambda chunk: list(fn(chunk)), chunks, specs)
+  outputs = _one_at_a_time(lambda chunk: list(fn(_rows(elems, chunk))), rows,
+                           specs)
   return [tf.reshape(o, [-1, *s.shape])[:batch]
           for o, s in zip(outputs, signature)]
 
@@ -101,7 +102,8 @@ def sum_rows(fn: Callable[[List[tf.Tensor], tf.Tensor], List[tf.Tensor]],
   elems = list(elems)
   if _fits_one_chunk(elems, chunk_size):
     return list(fn(elems, tf.ones([tf.shape(elems[0])[0]], tf.bool)))
-  chunks, valid, _ = _split(elems, chunk_size)
-  outputs = _one_at_a_time(lambda args: list(fn(args[0], args[1])),
-                           (chunks, valid), list(signature))
+  rows, valid, _ = _split(elems, chunk_size)
+  outputs = _one_at_a_time(
+      lambda args: list(fn(_rows(elems, args[0]), args[1])), (rows, valid),
+      list(signature))
   return [tf.reduce_sum(o, axis=0) for o in outputs]
