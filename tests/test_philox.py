@@ -44,6 +44,19 @@ def test_folded_seeds_are_tf_randoms(mode, data, seeds):
   np.testing.assert_array_equal(ours, theirs)
 
 
+@pytest.mark.parametrize('mode', ['eager', 'graph', 'xla'])
+@pytest.mark.parametrize('seeds', [SEEDS32, SEEDS64], ids=['int32', 'int64'])
+def test_folded_seeds_of_many_data_and_from_a_draw(mode, seeds):
+  data = tf.constant([0, 5, -3, 2**31 - 1], tf.int32)
+  many = _run(mode, lambda s: philox.fold_in(s, data), seeds)
+  from_draw = _run(mode, lambda s: philox.fold_in_from(
+      philox.bits([3, 2], s), 7), seeds)
+  theirs = [_run(mode, lambda s, d=d: tf.random.experimental.stateless_fold_in(
+      s, d, alg='philox'), seeds) for d in [0, 5, -3, 2**31 - 1, 7]]
+  np.testing.assert_array_equal(many, np.stack(theirs[:4], axis=1))
+  np.testing.assert_array_equal(from_draw, theirs[4])
+
+
 def _ops(fn):
   graph = tf.function(fn, autograph=False).get_concrete_function(
       tf.TensorSpec([2], tf.int64)).graph

@@ -229,10 +229,10 @@ def srht_parts(key, d: int, p: int):
   dp = padded_dim(d)
   if p > dp:
     raise ValueError(f'cannot choose p={p} rows out of {dp}')
-  signs = 1.0 - 2.0 * tf.cast(
-      tf.bitwise.bitwise_and(philox.bits([dp], key), 1), tf.float32)
+  drawn = philox.bits([dp], key)
+  signs = 1.0 - 2.0 * tf.cast(tf.bitwise.bitwise_and(drawn, 1), tf.float32)
   rows = feistel_permutation(tf.range(p, dtype=tf.int32),
-                             philox.fold_in(key, 1),
+                             philox.fold_in_from(drawn, 1),
                              dp.bit_length() - 1)
   return signs, rows
 

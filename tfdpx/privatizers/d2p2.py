@@ -204,15 +204,9 @@ class D2P2(core.Privatizer):
     return projections.projected_dim(d, self._ratio) if self.projected(
         shape) else d
 
-  def projection_key(self, index: int, step, step_key=None) -> tf.Tensor:
-    """The public key of variable `index`'s projection at `step`.
-
-    `step_key`: `self.step_key(step)` if already derived (it is shared by
-    the variables of a step).
-    """
-    if step_key is None:
-      step_key = self.step_key(step)
-    return philox.fold_in(step_key, index)
+  def projection_key(self, index: int, step) -> tf.Tensor:
+    """The public key of variable `index`'s projection at `step`."""
+    return philox.fold_in(self.step_key(step), index)
 
   def step_key(self, step) -> tf.Tensor:
     """The public key of all the projections of `step`."""
@@ -335,11 +329,12 @@ class D2P2(core.Privatizer):
     shapes = [tuple(s.shape) for s in sums]
     z = self._schedule.tf_value(step)
     noise_seed = noise.substream(seed, 'd2p2/noise')
-    # Each projected variable's key, derived once per step.
-    step_key = self.step_key(step)
-    keys = [self.projection_key(index, step, step_key)
-            if self.projected(shape) else None
-            for index, shape in enumerate(shapes)]
+    # Each projected variable's key, `projection_key(index, step)`: one
+    # fold-in of all the indices.
+    keys = tf.unstack(philox.fold_in(self.step_key(step),
+                                     tf.range(len(shapes))), num=len(shapes))
+    keys = [key if self.projected(shape) else None
+            for key, shape in zip(keys, shapes)]
     parts = [self._srht_parts(key, shape) for key, shape in zip(keys, shapes)]
     if self.mode in ('none', 'N'):
       # A DP-SGD release of sensitivity 1; the projections post-process it.
