@@ -12,6 +12,7 @@ import tfdpx
 from tests import stats
 from tfdpx import core
 from tfdpx import privatizers
+from tfdpx.privatizers import sparsification
 from tests.compile_path import trainable
 
 SHAPES = [(6, 5), (5,), (3, 2, 4)]
@@ -112,6 +113,30 @@ def test_the_graph_schedule_equals_the_python_schedule():
     mask = wrapper.masks(k, [(550_570,)])[0].numpy()
     assert np.sum(mask == 0) == python[k]
     assert set(np.unique(mask)) == {0.0, 1.0}
+
+
+@pytest.mark.parametrize('high_range,low_range', [
+    (2**32, 2**31), (3, 2**31), (2**32, 4), (2, 2), (1, 1), (70_000, 3)],
+    ids=['distinct', 'high-ties', 'low-ties', 'few-keys', 'all-equal',
+         'both'])
+def test_smallest_keys_are_those_a_stable_argsort_puts_first(high_range,
+                                                             low_range):
+  rng = np.random.default_rng(high_range + low_range)
+  n = 3000
+  high = rng.integers(0, high_range, n, dtype=np.uint64).astype(np.uint32)
+  low = rng.integers(0, low_range, n, dtype=np.uint64).astype(np.uint32)
+  order = np.argsort(high.astype(np.int64) * 2**31 + low, kind='stable')
+  # The default gathers every tied entry of these keys; 8 candidates take
+  # every pass over all of them where more than 8 stay tied.
+  bits = np.stack([high, 2 * low + (low % 2)], axis=1)  # The low bit unread.
+  select = [tf.function(lambda b, c, k=k: sparsification.smallest_keys(
+      b, c, k), jit_compile=xla) for k in (None, 8) for xla in (False, True)]
+  for count in (0, 1, 1234, n - 1, n):
+    expected = np.zeros(n, bool)
+    expected[order[:count]] = True
+    for fn in select:
+      np.testing.assert_array_equal(
+          fn(bits, tf.constant(count, tf.int64)).numpy(), expected)
 
 
 def test_kept_fraction_follows_the_schedule_in_every_epoch():
