@@ -68,11 +68,12 @@ def smallest_keys(bits: tf.Tensor, count, candidates: int = None) -> tf.Tensor:
   Exactly the entries an ascending stable argsort of the 63-bit keys puts
   first (ties to the lower index), by radix selection instead of a sort: over
   the encoder's 5.2M weights the stable argsort of int64 keys took 1.5 s and
-  216 MiB at its peak, this 0.4 s and 155 MiB. Two passes read the top 16 bits of every key; the
-  entries still tied with the boundary (about n / 65536 of them for random
-  keys) are gathered, at most `candidates` of them, and the remaining passes
-  run on those alone. More tied entries than that (keys far from uniform)
-  take every pass over all the keys: slower, the same result.
+  216 MiB at its peak, this 0.4 s and 155 MiB. Two passes read the top 16
+  bits of every key; the entries still tied with the boundary (about n /
+  65536 of them for random keys) are gathered, at most `candidates` of them,
+  and the remaining passes run on those alone. More tied entries than that
+  (keys far from uniform) take every pass over all the keys: slower, the
+  same result.
 
   Args:
     bits: uint32 `[n, 2]`, `n` static.
@@ -94,8 +95,8 @@ def smallest_keys(bits: tf.Tensor, count, candidates: int = None) -> tf.Tensor:
   cap = min(n, candidates or 4096 + n // 4096)
 
   def gathered():
-    # `top_k` puts the tied entries first, by index (equal values keep their
-    # order), in a static shape.
+    # `top_k` gathers the tied entries, in a static shape; their order does
+    # not matter, the index being a digit.
     where = tf.math.top_k(tf.cast(tied, tf.int32), k=cap).indices
     picked, _, _ = _radix_passes(
         [tf.gather(w, where) for w in keys], _PASSES[_WIDE_PASSES:],
