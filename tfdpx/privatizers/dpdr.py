@@ -384,14 +384,13 @@ class DPDR(core.Privatizer):
     num_slots = len(released)
     squares = tf.stack([tf.reduce_sum(tf.square(tf.cast(r, tf.float32)))
                         for r in released])
-    norm_sq = tf.gather(
-        tf.math.unsorted_segment_sum(squares, blocks, num_slots), blocks)
-    # All the variables' scales at once, not a few graph ops per variable.
+    norm_sq = tf.math.unsorted_segment_sum(squares, blocks, num_slots)
+    # All the blocks' scales at once, not a few graph ops per variable.
     nonzero = norm_sq > _MIN_SQUARED_NORM
     scales = tf.where(nonzero,
                       tf.math.rsqrt(tf.where(nonzero, norm_sq, 1.0)), 0.0)
-    return [r * tf.cast(scale, r.dtype)
-            for r, scale in zip(released, tf.unstack(scales, num=num_slots))]
+    return [r * tf.cast(scale, r.dtype) for r, scale in zip(
+        released, _of_variable(scales, blocks, num_slots))]
 
 
 def dpdr(l2_norm_clip: float,
