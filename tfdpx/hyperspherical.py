@@ -20,7 +20,9 @@ from a reverse cumulative sum of squares after scaling by max |x| (no
 cancellation, no under- or overflow of the squares), angles by `atan2` (no
 `acos`), and the prefix products of sines as `exp` of an exclusive cumulative
 sum of `log |sin|` with a separate sign parity (no underflowing
-chain of multiplications). The cumulative sums are blocked (`_cumsum`), so
+chain of multiplications), the sines and cosines by `sin_cos` (a
+vectorized float64 reduction and polynomial, as exact as tf.sin and tf.cos
+and ten times faster on a CPU). The cumulative sums are blocked (`_cumsum`), so
 the cost is O(d) and the numbers are the same eager and under
 `tf.function(jit_compile=True)`. Lengths must be static (variables' shapes
 always are).
@@ -30,6 +32,9 @@ References:
   DP-SGD Geometrically", arXiv:2504.05618, Eq. 24-27.
 """
 
+from decimal import Decimal
+from fractions import Fraction
+import math
 from typing import Tuple
 
 import numpy as np
@@ -82,6 +87,64 @@ def _cumsum(x: tf.Tensor, *, exclusive: bool = False,
     totals = within[..., 0] if reverse else within[..., -1]
     within += _cumsum(totals, exclusive=True, reverse=reverse)[..., tf.newaxis]
   return tf.reshape(within, rows + [blocks * block])[..., :n]
+
+
+def _half_pi_parts() -> Tuple[float, float, float]:
+  """pi/2 as `p1 + p2 + p3` (to 2^-120): `p1` and `p2` with 33 significant
+  bits, so their products with an integer below 2^20 are exact doubles."""
+  half_pi = Fraction(Decimal('3.14159265358979323846264338327950288419716939'
+                             '93751058209749445923078164062862')) / 2
+  p1 = Fraction(math.floor(half_pi * 2**32), 2**32)
+  p2 = Fraction(math.floor((half_pi - p1) * 2**66), 2**66)
+  return float(p1), float(p2), float(half_pi - p1 - p2)
+
+
+_HALF_PI_PARTS = _half_pi_parts()
+
+# Taylor coefficients of (sin(r) - r) / r^3 and (cos(r) - 1 + r^2 / 2) / r^4
+# in z = r^2: on |r| <= pi / 4 the first terms left out are below 2^-54.
+_SIN_TERMS = [(-1)**(i + 1) / math.factorial(2 * i + 3) for i in range(8)]
+_COS_TERMS = [(-1)**i / math.factorial(2 * i + 4) for i in range(8)]
+
+
+def _polynomial(z: tf.Tensor, terms) -> tf.Tensor:
+  value = tf.constant(terms[-1], z.dtype)
+  for term in reversed(terms[:-1]):
+    value = value * z + term
+  return value
+
+
+# Compiled by XLA wherever it runs: TensorFlow's float64 sin and cos are
+# scalar library calls (22 ms for 1.3M angles on a CPU, two cores), while XLA
+# fuses the reduction and the polynomials into one vectorized loop (2-3 ms).
+@tf.function(jit_compile=True)
+def sin_cos(theta: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+  """`(sin(theta), cos(theta))` of a float64 tensor, within 2^-52 of each.
+
+  The angles are reduced to `r` in [-pi/4, pi/4] by the nearest multiple
+  `k pi/2` (Cody and Waite's three-part pi/2: exact for |k| < 2^20), and
+  sin and cos of `r` are Taylor polynomials. Angles of magnitude 2^19 pi/2
+  or more anywhere in `theta` send the whole tensor to tf.sin and tf.cos.
+  """
+  p1, p2, p3 = _HALF_PI_PARTS
+
+  def reduced():
+    k = tf.floor(theta * (2 / math.pi) + 0.5)
+    r = ((theta - k * p1) - k * p2) - k * p3
+    z = r * r
+    sin = r + r * z * _polynomial(z, _SIN_TERMS)
+    # One rounding at the scale of 1, as for the sine at that of r: a
+    # rounding of 1 - z/2 first would bias the products of a million sines.
+    cos = 1.0 - (0.5 * z - z * z * _polynomial(z, _COS_TERMS))
+    quarter = k - 4.0 * tf.floor(0.25 * k)  # k mod 4, exactly.
+    # theta = r + k pi/2: rotate (cos r, sin r) by k quarter turns.
+    sin, cos = (tf.where(quarter < 2, sin, -sin),
+                tf.where(quarter < 2, cos, -cos))
+    odd = tf.logical_or(tf.equal(quarter, 1.0), tf.equal(quarter, 3.0))
+    return tf.where(odd, cos, sin), tf.where(odd, -sin, cos)
+
+  small = tf.reduce_max(tf.abs(theta)) < 2.0**19 * math.pi / 2
+  return tf.cond(small, reduced, lambda: (tf.sin(theta), tf.cos(theta)))
 
 
 def _check_length(d):
@@ -142,7 +205,7 @@ def to_cartesian(r: tf.Tensor, theta: tf.Tensor) -> tf.Tensor:
     raise ValueError(f'theta must be a 1-D tensor, got shape {theta.shape}')
   _check_length(None if theta.shape[0] is None else theta.shape[0] + 1)
   r = tf.cast(r, tf.float64)
-  sin, cos = tf.sin(theta), tf.cos(theta)
+  sin, cos = sin_cos(theta)
   # log|sin| <= 0, so the log prefix never increases: a zero sine, logged as
   # _LOG_ZERO (far below the log of the smallest float64) instead of -inf,
   # makes every later prefix exp(...) == 0 exactly, without NaN.
