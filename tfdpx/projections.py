@@ -169,6 +169,10 @@ def fwht(x: tf.Tensor) -> tf.Tensor:
   factors = []
   while math.prod(factors) < n:
     factors.append(min(n // math.prod(factors), FWHT_BLOCK))
+  # A smaller remainder factor first: the batched products in the middle
+  # then have wide rows (2^21: 3.1 against 4.0 ms). The factors of a
+  # Sylvester matrix commute: H_2^(a+b) = H_2^a (x) H_2^b in either order.
+  factors = factors[-1:] + factors[:-1]
   if len(factors) <= 1:  # n <= FWHT_BLOCK; n = 1 has no factor.
     return tf.linalg.matvec(tf.constant(_sylvester(n), x.dtype), x)
   # `H_n = H_a (x) H_b (x) ...` acts on x laid out row-major as an array of
