@@ -76,9 +76,8 @@ def standard_normal(shape, seed: tf.Tensor, stddev=1.0,
   def read_row_2(previous):
     """The first marked block after `previous` and its `log u`, exact in
     the tails. (Not a cumulative sum of the marks: XLA's is quadratic.)"""
-    # float32: TensorFlow has no GPU kernel for an int32 ArgMax.
-    after = tf.logical_and(marked, tf.range(blocks) > previous)
-    block = tf.argmax(tf.cast(after, tf.float32), output_type=tf.int32)
+    block = tf.argmax(tf.cast(tf.logical_and(marked, tf.range(blocks) > previous),
+                              tf.int32), output_type=tf.int32)
     columns = tf.reshape(words, [2, blocks, _BLOCK])[:, block]
     third = philox.bits([1, _BLOCK], seed, offset=2 * pairs + block * _BLOCK)
     return block, tf.where(tf.reshape(in_tails, [blocks, _BLOCK])[block],
