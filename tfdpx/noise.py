@@ -17,7 +17,6 @@ import zlib
 from typing import List, Optional, Sequence
 
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util  # pylint: disable=g-direct-tensorflow-import
 
 from tfdpx import gradients
 from tfdpx import philox
@@ -70,47 +69,23 @@ def standard_normal(shape, seed: tf.Tensor, stddev=1.0,
   words = philox.bits(tf.stack([2, pairs]), seed)  # Rows 0 and 1.
   in_tails = _in_tails(words[0])
   marked = tf.reduce_any(tf.reshape(in_tails, [blocks, _BLOCK]), axis=1)
-  count = tf.reduce_sum(tf.cast(marked, tf.int32))
-  middle = tf.reshape(_log_uniform(words[0], words[1]), [blocks, _BLOCK])
+  rank = tf.cumsum(tf.cast(marked, tf.int32))  # Marked blocks up to each.
 
-  def read_row_2(previous):
-    """The first marked block after `previous` and its `log u`, exact in
-    the tails. (Not a cumulative sum of the marks: XLA's is quadratic.)"""
-    block = tf.argmax(tf.cast(tf.logical_and(marked, tf.range(blocks) > previous),
-                              tf.int32), output_type=tf.int32)
+  def read_row_2(index, log_u):
+    """The exact `log u` of the tail pairs of the `index`-th marked block."""
+    block = tf.argmax(rank > index, output_type=tf.int32)
     columns = tf.reshape(words, [2, blocks, _BLOCK])[:, block]
     third = philox.bits([1, _BLOCK], seed, offset=2 * pairs + block * _BLOCK)
-    return block, tf.where(tf.reshape(in_tails, [blocks, _BLOCK])[block],
-                           _log_uniform(columns[0], columns[1], third[0]),
-                           middle[block])
+    row = tf.where(tf.reshape(in_tails, [blocks, _BLOCK])[block],
+                   _log_uniform(columns[0], columns[1], third[0]),
+                   log_u[block])
+    return index + 1, tf.tensor_scatter_nd_update(log_u, [[block]],
+                                                  row[tf.newaxis])
 
-  if control_flow_util.GraphOrParentsInXlaContext(
-      tf.compat.v1.get_default_graph()):
-    # XLA updates a loop's array in place.
-    def update(index, previous, log_u):
-      block, row = read_row_2(previous)
-      return index + 1, block, tf.tensor_scatter_nd_update(
-          log_u, [[block]], row[tf.newaxis])
-
-    _, _, log_u = tf.while_loop(lambda index, *_: index < count, update,
-                                (tf.constant(0), tf.constant(-1), middle))
-  else:
-    # TensorFlow would copy the whole array at each update (0.65 ms a block
-    # at 5.2M draws): the rows are collected, then written at once.
-    def collect(index, previous, block_ids, rows):
-      block, row = read_row_2(previous)
-      return (index + 1, block, block_ids.write(index, block),
-              rows.write(index, row))
-
-    _, _, block_ids, rows = tf.while_loop(
-        lambda index, *_: index < count, collect,
-        (tf.constant(0), tf.constant(-1), tf.TensorArray(tf.int32, count),
-         tf.TensorArray(tf.float64, count, element_shape=[_BLOCK])))
-    log_u = tf.cond(
-        count > 0,
-        lambda: tf.tensor_scatter_nd_update(
-            middle, block_ids.stack()[:, tf.newaxis], rows.stack()),
-        lambda: middle)
+  _, log_u = tf.while_loop(
+      lambda index, _: index < rank[-1], read_row_2,
+      (tf.constant(0),
+       tf.reshape(_log_uniform(words[0], words[1]), [blocks, _BLOCK])))
   draws = _pairs(tf.reshape(log_u, [-1]), words[1], stddev, dtype)
   return tf.reshape(draws[:size], shape)
 
