@@ -29,137 +29,58 @@ def _float64(value) -> tf.Tensor:
   return tf.constant(value, tf.float64)
 
 
-# The radius of a pair of draws reads a 53-bit uniform, but its last 13 bits
-# matter only in the tails: a pair reads them (its third word) only if its
-# first word lies within `_EDGE` of 0 or of 2^32, and the third words are
-# drawn only for the blocks of `_BLOCK` pairs that hold such a pair.
-_EDGE = 2**11
-_BLOCK = 1024
-
-
-def standard_normal(shape, seed: tf.Tensor, stddev=1.0,
-                    dtype=tf.float64) -> tf.Tensor:
-  """N(0, stddev^2) draws of `shape`, from raw Philox bits.
+def standard_normal(shape, seed: tf.Tensor, stddev=1.0) -> tf.Tensor:
+  """N(0, stddev^2) draws of `shape` in float64, from raw Philox bits.
 
   `tf.random.stateless_normal` gives different numbers under XLA than on the
   default CPU kernels for the same seed, and its float32 version cannot
   reach past 5.7 standard deviations; the raw Philox bits agree on every
-  backend, so the normals are made from them here: `box_muller` of the
-  columns of one `[3, pairs]` draw (pairs rounded up to whole blocks of
-  1024), exactly, but only the words that `box_muller` reads are drawn. Rows
-  0 and 1 are drawn whole; row 2 only where a block holds a pair in the
-  radius's tails (about one pair in a million: `box_muller`), so a draw
-  costs about two 32-bit words per pair instead of three.
+  backend, so the normals are made from them here (`box_muller`).
 
   Args:
     shape: output shape (list or 1-D int tensor).
     seed: int64 `[2]` seed.
     stddev: standard deviation (Python number or scalar tensor); it scales
       the radius of each pair (half the products of scaling the draws).
-    dtype: tf.float64 or tf.float32 (the precision the noise is added at:
-      the radius is computed in float64 either way).
 
   Returns:
-    A tensor of `shape` and `dtype`.
+    A float64 tensor of `shape`.
   """
   shape = tf.cast(shape, tf.int32)
   size = tf.reduce_prod(shape)
-  blocks = ((size + 1) // 2 + _BLOCK - 1) // _BLOCK
-  pairs = blocks * _BLOCK
-  words = philox.bits(tf.stack([2, pairs]), seed)  # Rows 0 and 1.
-  in_tails = _in_tails(words[0])
-  marked = tf.reduce_any(tf.reshape(in_tails, [blocks, _BLOCK]), axis=1)
-  rank = tf.cumsum(tf.cast(marked, tf.int32))  # Marked blocks up to each.
-
-  def read_row_2(index, log_u):
-    """The exact `log u` of the tail pairs of the `index`-th marked block."""
-    block = tf.argmax(rank > index, output_type=tf.int32)
-    columns = tf.reshape(words, [2, blocks, _BLOCK])[:, block]
-    third = philox.bits([1, _BLOCK], seed, offset=2 * pairs + block * _BLOCK)
-    row = tf.where(tf.reshape(in_tails, [blocks, _BLOCK])[block],
-                   _log_uniform(columns[0], columns[1], third[0]),
-                   log_u[block])
-    return index + 1, tf.tensor_scatter_nd_update(log_u, [[block]],
-                                                  row[tf.newaxis])
-
-  _, log_u = tf.while_loop(
-      lambda index, _: index < rank[-1], read_row_2,
-      (tf.constant(0),
-       tf.reshape(_log_uniform(words[0], words[1]), [blocks, _BLOCK])))
-  draws = _pairs(tf.reshape(log_u, [-1]), words[1], stddev, dtype)
-  return tf.reshape(draws[:size], shape)
+  pairs = (size + 1) // 2
+  # One draw, in rows: each word's slice is contiguous.
+  bits = philox.bits(tf.stack([3, pairs]), seed)
+  return tf.reshape(box_muller(bits, stddev)[:size], shape)
 
 
-def box_muller(bits: tf.Tensor, stddev=1.0, dtype=tf.float64) -> tf.Tensor:
-  """Two N(0, stddev^2) draws from each column of three 32-bit words.
+def box_muller(bits: tf.Tensor, stddev=1.0) -> tf.Tensor:
+  """Two N(0, stddev^2) float64 draws from each column of three 32-bit words.
 
-  The radius `sqrt(-2 log u)` takes a 53-bit uniform `u = (k + 1/2) 2^-53`
-  (`k`: word 0, then the low 8 bits of word 1, then the high 13 of word 2),
+  The radius `sqrt(-2 log u)` takes a 53-bit uniform `u` (words 0 and 1),
   so draws reach 8.6 standard deviations, as far as float64 inverse-CDF
   sampling does: a tail cut short at 5.7 (a float32 uniform) would leave
-  outputs only a neighbouring dataset can produce. The last 13 bits are read
-  only in the tails, where word 0 is below 2^11 or at least 2^32 - 2^11
-  (`u` below 2^-21 or above 1 - 2^-21: a radius above 5.4 or below 0.001).
-  Elsewhere they are set to their middle: that moves `u` by less than
-  2^-41 and the radius by less than a relative 5e-7 (8 float32 units in the
-  last place at most, far less inside), and lets `standard_normal` draw
-  word 2 only where a pair needs it. The angle only sets the sign and split
-  between the two draws; 24 bits in float32 (the high bits of word 1) give
-  it to float32 precision, which is what the noise is added at, at a third
-  of the cost of float64 trigonometry.
+  outputs only a neighbouring dataset can produce. The angle only sets the
+  sign and split between the two draws; 24 bits in float32 (word 2) give it
+  to float32 precision, which is what the noise is added at, at a third of
+  the cost of float64 trigonometry.
 
   Args:
     bits: uint32 `[3, n]`.
     stddev: standard deviation (Python number or scalar tensor).
-    dtype: tf.float64 or tf.float32.
 
   Returns:
-    `[2 n]` of `dtype`: the cosine draws, then the sine draws.
+    float64 `[2 n]`: the cosine draws, then the sine draws.
   """
-  log_u = tf.where(_in_tails(bits[0]), _log_uniform(*tf.unstack(bits)),
-                   _log_uniform(bits[0], bits[1]))
-  return _pairs(log_u, bits[1], stddev, dtype)
-
-
-def _in_tails(first: tf.Tensor) -> tf.Tensor:
-  """Whether a pair's first word is within `_EDGE` of 0 or of 2^32."""
-  signed = tf.bitcast(first, tf.int32)  # [2^32 - _EDGE, 2^32) -> [-_EDGE, 0).
-  return tf.logical_and(signed >= -_EDGE, signed < _EDGE)
-
-
-def _log_uniform(first, second, third=None) -> tf.Tensor:
-  """`log u` (float64) of `box_muller`'s `u` from each pair's words.
-
-  Without the third words, `u`'s last 13 bits at their middle. With them,
-  the exact `u`, from `1 - u` above 1/2, so that a radius near 0 keeps its
-  precision too.
-  """
-  high = tf.cast(first, tf.float64) * 2.0**8 + tf.cast(
-      tf.bitwise.bitwise_and(second, 255), tf.float64)  # 40 bits.
-  if third is None:
-    return tf.math.log((high + 0.5) * 2.0**-40)
-  low = tf.cast(tf.bitwise.right_shift(third, 19), tf.float64)
-  # Both exact: k + 1/2 for k < 2^52, and 2^53 - k - 1/2 for k >= 2^52.
-  below_half = (high * 2.0**13 + low + 0.5) * 2.0**-53
-  above_half = ((2.0**40 - 1 - high) * 2.0**13 + (2.0**13 - 1 - low) +
-                0.5) * 2.0**-53
-  return tf.where(tf.bitcast(first, tf.int32) >= 0,  # Below 2^31.
-                  tf.math.log(below_half),
-                  tf.math.log1p(-above_half))
-
-
-def _pairs(log_u: tf.Tensor, angle_word: tf.Tensor, stddev,
-           dtype) -> tf.Tensor:
-  """The cosine draws, then the sine draws, of radii `sqrt(-2 log u)`."""
-  radius = tf.sqrt(-2.0 * log_u) * _float64(stddev)
-  turn = tf.cast(tf.bitwise.right_shift(angle_word, 8), tf.float32)
+  high = tf.cast(tf.bitwise.right_shift(bits[0], 5), tf.float64)
+  low = tf.cast(tf.bitwise.right_shift(bits[1], 6), tf.float64)
+  uniform = (high * 2.0**26 + low + 0.5) * 2.0**-53  # In (0, 1), never 0 or 1.
+  radius = tf.sqrt(-2.0 * tf.math.log(uniform)) * _float64(stddev)
+  turn = tf.cast(tf.bitwise.right_shift(bits[2], 8), tf.float32)
   angle = (turn + 0.5) * (2.0 * math.pi * 2.0**-24)
-  trig = tf.stack([tf.cos(angle), tf.sin(angle)])
-  if dtype == tf.float32:
-    return tf.reshape(tf.cast(radius, tf.float32) * trig, [-1])
-  if dtype != tf.float64:
-    raise ValueError(f'dtype must be tf.float32 or tf.float64, got {dtype!r}')
-  return tf.reshape(radius * tf.cast(trig, tf.float64), [-1])
+  return tf.reshape(
+      radius * tf.cast(tf.stack([tf.cos(angle), tf.sin(angle)]), tf.float64),
+      [-1])
 
 
 def substream(seed: tf.Tensor, name: str) -> tf.Tensor:
@@ -195,10 +116,8 @@ def gaussian_like(
   """
   tensors = [tf.convert_to_tensor(t) for t in tensors]
   sizes = [tf.size(t) for t in tensors]
-  dtype = (tf.float64 if any(t.dtype == tf.float64 for t in tensors) else
-           tf.float32)
   draws = tf.split(
-      standard_normal(tf.reshape(tf.add_n(sizes), [1]), seed, stddev, dtype),
+      standard_normal(tf.reshape(tf.add_n(sizes), [1]), seed, stddev),
       tf.stack(sizes), num=len(tensors))
   return [tf.cast(tf.reshape(d, tf.shape(t)), t.dtype)
           for d, t in zip(draws, tensors)]
