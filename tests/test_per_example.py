@@ -403,6 +403,29 @@ def test_weighted_sums_of_large_units_equal_the_loop(name, monkeypatch):
   _check_against_the_loop(name)
 
 
+@pytest.mark.parametrize('unknown_batch', [False, True])
+@pytest.mark.parametrize('name', ['dense_on_sequences', 'conv2d',
+                                  'einsum_dense'])
+def test_weighted_sums_on_positions_contracted_in_chunks_equal_the_loop(
+    name, unknown_batch, monkeypatch):
+  # Several weighted sums of a kernel on positions, neither small nor
+  # cached, are contracted from its per-example gradients formed chunk by
+  # chunk (a few examples a chunk here), not one pass per column.
+  monkeypatch.setattr(per_example, 'SMALL_UNIT_SIZE', 0)
+  monkeypatch.setattr(dense_forms, 'CACHED_KERNEL_SIZE', 0)
+  monkeypatch.setattr(dense_forms, 'CHUNK_ENTRIES', 56)
+  sizes = []
+  sum_rows = chunks.sum_rows
+
+  def recording(fn, elems, chunk_size, signature):
+    sizes.append(chunk_size)
+    return sum_rows(fn, elems, chunk_size, signature)
+
+  monkeypatch.setattr(dense_forms.chunks, 'sum_rows', recording)
+  _check_against_the_loop(name, unknown_batch, chunk_size=128)
+  assert sizes and min(sizes) < BATCH, sizes  # Several chunks.
+
+
 @pytest.mark.parametrize('name', ['dense_on_sequences', 'conv2d',
                                   'einsum_dense'])
 def test_statistics_in_chunks_of_a_memory_budget_equal_the_loop(

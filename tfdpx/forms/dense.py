@@ -12,7 +12,7 @@ positions, `p` = kernel volume x input channels). The bias gradient is
 | `\\|G_i\\|^2` | `\\|a\\|^2 \\|d\\|^2` | ghost `<A A^T, D D^T>` if `T (p + o) < p o`, else chunks of `[c, p, o]` |
 | `<G_i, V>` | `a^T V d` | chunks of `[c, p, o]` |
 | `\\|M * G_i\\|^2` | `(a*a)^T M (d*d)` | chunks of `[c, p, o]` |
-| `sum_i w_i G_i` | `A^T diag(w) D`, one matmul | the same over all positions, or the layer's own backward pass |
+| `sum_i w_i G_i` | `A^T diag(w) D`, one matmul | the same over all positions, or the layer's own backward pass; several: chunks of `[c, p, o]` |
 | `<G_i, H_j>` (another batch) | `(a a'^T) * (d d'^T)` | not offered |
 
 The choice is made from static shapes, once per layer and batch shape.
@@ -218,24 +218,50 @@ class ProductUnit(unit.Unit):
                                  tf.TensorSpec([], tf.float32))
     return self._with_bias(kernel, lambda g: g.masked_sq_norms(masks[1:]))
 
-  def _cached_sums(self, weights, keep, rows):
+  def _contracted_sums(self, weights, keep, rows):
     """`[K, ...]` weighted sums (`weights` `[B, K]`) contracted from the
-    kernel gradients formed for an earlier statistic of the step: cheaper
-    than any pass over the positions (the tutorial CNN's first convolution:
-    256 x 1024 products against a backward pass over 196 positions)."""
+    kernel gradients: those formed for an earlier statistic of the step
+    (cheaper than any pass over the positions: the tutorial CNN's first
+    convolution, 256 x 1024 products against a backward pass over 196
+    positions), or else formed chunk by chunk. On `T` positions, one pass
+    per column (`weighted_sum`) costs `K T p o` an example; forming the
+    kernel gradients `T p o` and contracting them `K p o` (GEP's power step
+    on the encoder's anchors: K = 16, T = 128)."""
     rows = rows or [None] * len(self.variables)
     w = tf.where(keep[:, tf.newaxis], tf.cast(weights, self._d.dtype), 0.0)
-    grads = [self._kernel_cache]
+    if self._kernel_cache is not None:
+      kernel = tf.tensordot(w, clipping.zero_rows(
+          gradients.slice_rows(self._kernel_cache, rows[0]), keep), [[0], [0]])
+    else:
+      def partial(chunk, valid):
+        *elems, w_chunk, keep_chunk = chunk
+        grads = self._kernel_of(elems, rows[0])
+        return [tf.tensordot(w_chunk, clipping.zero_rows(
+            grads, tf.logical_and(keep_chunk, valid)), [[0], [0]])]
+      lo, hi = self._columns(rows[0])
+      kernel = chunks.sum_rows(
+          partial, self._elems + [self._d, w, keep],
+          max(1, min(self._chunk_size, CHUNK_ENTRIES // ((hi - lo) * self._out))),
+          [tf.TensorSpec([w.shape[1], *self._kernel_shape(rows[0])],
+                         self._d.dtype)])[0]
+    out = [tf.cast(kernel, self._kernel.dtype)]
     if self._bias is not None:
-      grads.append(self._bias_grads().materialized()[0])
-    return [tf.cast(tf.tensordot(
-        w, clipping.zero_rows(gradients.slice_rows(g, r), keep),
-        [[0], [0]]), v.dtype) for g, v, r in zip(grads, self.variables, rows)]
+      out.append(tf.cast(tf.tensordot(w, clipping.zero_rows(
+          gradients.slice_rows(self._bias_grads().materialized()[0], rows[1]),
+          keep), [[0], [0]]), self._bias.dtype))
+    return out
+
+  def _contracts(self, k: int) -> bool:
+    """Whether `k` weighted sums on sequences are cheaper contracted from
+    the kernel gradients than one pass over the positions each:
+    `T + k < k T`."""
+    t = self._steps
+    return k > 1 and (t is None or (k - 1) * (t - 1) > 1)
 
   def weighted_sum(self, weights, keep, rows=None):
     if self._kernel_cache is not None:
-      return [s[0] for s in self._cached_sums(weights[:, tf.newaxis], keep,
-                                              rows)]
+      return [s[0] for s in self._contracted_sums(weights[:, tf.newaxis],
+                                                  keep, rows)]
     if self._weighted_sum is not None:
       return unit.sliced_sums(self._weighted_sum(weights, keep), rows)
     rows = rows or [None] * len(self.variables)
@@ -254,8 +280,9 @@ class ProductUnit(unit.Unit):
     return out
 
   def weighted_sums(self, weights, keep, rows=None):
-    if self._kernel_cache is not None:
-      return self._cached_sums(weights, keep, rows)
+    if (self._kernel_cache is not None or
+        (self._steps != 1 and self._contracts(weights.shape[1]))):
+      return self._contracted_sums(weights, keep, rows)
     if self._weighted_sum is not None or self._steps != 1:
       # [B, T, K, o] weighted copies of D would be too large on sequences.
       return super().weighted_sums(weights, keep, rows)
