@@ -9,6 +9,12 @@ import tensorflow as tf
 
 from tests import stats
 from tfdpx import noise
+from tfdpx import philox
+
+
+# 2,000,001 pairs: this seed's first words put pairs in the tails of the
+# radius (checked below), so the blocks that read their third words are used.
+LARGE = 4_000_001
 
 
 def _draws(shape, seed=(3, 4)):
@@ -65,6 +71,12 @@ def test_tail_frequencies_match_the_normal_law(threshold):
                                                                   expected)
 
 
+def _words(k, turn):
+  """The three words `box_muller` reads a 53-bit `k` and a 24-bit turn from:
+  `k`'s 32 high bits, then 8 (below the turn), then 13."""
+  return [[k >> 21], [(turn << 8) | ((k >> 13) & 255)], [(k & 8191) << 19]]
+
+
 @pytest.mark.parametrize('threshold', [6.0, 7.0, 8.0])
 def test_the_radius_exceeds_a_threshold_with_its_exact_probability(
     threshold):
@@ -75,9 +87,7 @@ def test_the_radius_exceeds_a_threshold_with_its_exact_probability(
   edge = math.floor(2.0**53 * math.exp(-threshold**2 / 2) - 0.5)
 
   def radius(k):
-    # The words box_muller reads k from: its 27 high bits, its 26 low bits.
-    words = tf.constant([[(k >> 26) << 5], [(k & (2**26 - 1)) << 6], [0]],
-                        tf.uint32)
+    words = tf.constant(_words(k, turn=0), tf.uint32)
     return float(noise.box_muller(words)[0])  # Angle ~0: the radius.
 
   assert radius(edge) > threshold * (1 - 1e-6)
@@ -85,11 +95,12 @@ def test_the_radius_exceeds_a_threshold_with_its_exact_probability(
   assert radius(edge - 1) > radius(edge) > radius(edge + 1)
 
 
-def test_xla_draws_agree_with_the_default_kernels():
-  seed = tf.constant([8, 9], tf.int64)
-  eager = noise.standard_normal([1000], seed).numpy()
+@pytest.mark.parametrize('size', [1000, LARGE])
+def test_xla_draws_agree_with_the_default_kernels(size):
+  seed = tf.constant([3, 4], tf.int64)
+  eager = noise.standard_normal([size], seed).numpy()
   compiled = tf.function(noise.standard_normal, jit_compile=True)(
-      tf.constant([1000]), seed).numpy()
+      tf.constant([size]), seed).numpy()
   np.testing.assert_allclose(compiled, eager, rtol=1e-6, atol=1e-6)
 
 
@@ -98,3 +109,82 @@ def test_stddev_scales_every_draw():
   unit = noise.standard_normal([1001], seed).numpy()
   scaled = noise.standard_normal([1001], seed, 2.5).numpy()
   np.testing.assert_allclose(scaled, 2.5 * unit, rtol=1e-15)
+
+
+def _words_read(size, seed):
+  """The words `standard_normal` reads, laid out as `box_muller` takes them:
+  rows 0 and 1 of the `[3, pairs]` draw, and row 2 with the r-th block that
+  holds a tail pair given row 2's r-th block. Also the marked blocks."""
+  pairs = -(-((size + 1) // 2) // noise._BLOCK) * noise._BLOCK
+  words = philox.bits([3, pairs], seed).numpy()
+  tails = (words[0] < 2**11) | (words[0] >= 2**32 - 2**11)
+  marked = np.flatnonzero(np.any(tails.reshape(-1, noise._BLOCK), axis=1))
+  row_2 = words[2].reshape(-1, noise._BLOCK)
+  read = row_2.copy()
+  read[marked] = row_2[:len(marked)]
+  return np.stack([words[0], words[1], read.reshape(-1)]), marked
+
+
+@pytest.mark.parametrize('size', [1, 7, 2049, LARGE])
+@pytest.mark.parametrize('dtype', [tf.float64, tf.float32])
+@pytest.mark.parametrize('mode', ['eager', 'graph', 'xla'])
+def test_draws_are_box_muller_of_the_words_read(size, dtype, mode):
+  """`standard_normal` draws a pair's third word only where `box_muller`
+  reads it, from row 2's blocks in order; the draws are `box_muller`'s of
+  those words, bit for bit, eager, in a graph and under XLA (against
+  `box_muller` under XLA: its float32 trigonometry differs in the last
+  bits)."""
+  seed = tf.constant([3, 4], tf.int64)
+  draw, reference = noise.standard_normal, noise.box_muller
+  if mode != 'eager':
+    draw, reference = [tf.function(f, autograph=False,
+                                   jit_compile=mode == 'xla')
+                       for f in (draw, reference)]
+  words, marked = _words_read(size, seed)
+  if size == LARGE:  # Marked blocks, the first not block 0: reads moved.
+    assert len(marked) >= 2 and marked[0] > 0, marked
+  np.testing.assert_array_equal(
+      draw(tf.constant([size]), seed, dtype=dtype).numpy(),
+      reference(tf.constant(words), dtype=dtype).numpy()[:size])
+
+
+def _exact_radius(k):
+  """sqrt(-2 log u), u = (k + 1/2) 2^-53, with `log1p` above 1/2 (float64
+  is exact for both u and 1 - u there)."""
+  k = np.asarray(k, np.float64)
+  below = (k + 0.5) * 2.0**-53
+  above = (2.0**53 - k - 0.5) * 2.0**-53
+  with np.errstate(divide='ignore'):  # The branch np.where drops.
+    log_u = np.where(k < 2.0**52, np.log(below), np.log1p(-above))
+  return np.sqrt(-2 * log_u)
+
+
+def test_radius_reads_all_53_bits_in_the_tails_and_40_elsewhere():
+  rng = np.random.default_rng(5)
+  ks = [int(2**e) for e in rng.uniform(0, 53, 3000)]
+  ks += [2**53 - 1 - k for k in ks]  # Radii near 0.
+  ks = sorted(set(ks + [0, 2**32 - 1, 2**32, 2**53 - 2**32 - 1,
+                        2**53 - 2**32, 2**53 - 1]))
+  words = tf.constant(np.concatenate([_words(k, 0) for k in ks], axis=1),
+                      tf.uint32)
+  radius = noise.box_muller(words).numpy()[:len(ks)]  # Cosines of angle ~0.
+  exact = _exact_radius(np.array(ks, np.float64))
+  error = np.abs(radius / exact - 1)
+  tails = np.array([k < 2**32 or k >= 2**53 - 2**32 for k in ks])
+  assert np.all(error[tails] <= 1e-15)
+  # The middle of the last 13 bits: within 2^-21 of the exact radius.
+  assert np.all(error[~tails] <= 2.0**-21)
+  assert np.max(error[~tails]) > 2.0**-24  # Not all 53 bits after all.
+
+
+@pytest.mark.parametrize('mode', ['eager', 'graph', 'xla'])
+def test_bits_from_an_offset_are_the_rest_of_the_stream(mode):
+  seed = tf.constant([6, 7], tf.int64)
+  whole = philox.bits([3, 1024], seed).numpy().reshape(-1)
+  fn = lambda offset: philox.bits([2, 100], seed, offset=offset)
+  if mode != 'eager':
+    fn = tf.function(fn, jit_compile=mode == 'xla')
+  for offset in [0, 4, 2048, 2400]:
+    np.testing.assert_array_equal(
+        fn(tf.constant(offset)).numpy().reshape(-1),
+        whole[offset:offset + 200])

@@ -17,6 +17,7 @@ import zlib
 from typing import List, Optional, Sequence
 
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util  # pylint: disable=g-direct-tensorflow-import
 
 from tfdpx import gradients
 from tfdpx import philox
@@ -29,58 +30,155 @@ def _float64(value) -> tf.Tensor:
   return tf.constant(value, tf.float64)
 
 
-def standard_normal(shape, seed: tf.Tensor, stddev=1.0) -> tf.Tensor:
-  """N(0, stddev^2) draws of `shape` in float64, from raw Philox bits.
+# The radius of a pair of draws reads a 53-bit uniform, but its last 13 bits
+# matter only in the tails: a pair reads them (its third word) only if its
+# first word lies within `_EDGE` of 0 or of 2^32, one pair in 2^20. The
+# third words come in blocks of `_BLOCK` pairs, drawn only for the blocks
+# that hold such a pair (a draw of 1.3 million holds 0.16 on average).
+_EDGE = 2**11
+_BLOCK = 4096
+
+
+def _in_xla() -> bool:
+  """Whether the ops built now are compiled by XLA (static shapes only)."""
+  return control_flow_util.GraphOrParentsInXlaContext(
+      tf.compat.v1.get_default_graph())
+
+
+def standard_normal(shape, seed: tf.Tensor, stddev=1.0,
+                    dtype=tf.float64) -> tf.Tensor:
+  """N(0, stddev^2) draws of `shape`, from raw Philox bits.
 
   `tf.random.stateless_normal` gives different numbers under XLA than on the
   default CPU kernels for the same seed, and its float32 version cannot
   reach past 5.7 standard deviations; the raw Philox bits agree on every
-  backend, so the normals are made from them here (`box_muller`).
+  backend, so the normals are made from them here: `box_muller` of the
+  columns of one `[3, pairs]` draw (pairs rounded up to whole blocks of
+  `_BLOCK`), with row 2 read by block: the r-th block (in order) that holds
+  a pair in the radius's tails reads the r-th block of row 2. Only the words
+  read are drawn: rows 0 and 1 whole, and as many blocks of row 2 as there
+  are such blocks (one contiguous draw), so a draw costs about two 32-bit
+  words per pair instead of three. Under XLA, which needs static shapes,
+  row 2 is drawn whole and its blocks gathered: the same draws. Every
+  pair's words are independent uniform words, whichever block of row 2 it
+  reads.
 
   Args:
     shape: output shape (list or 1-D int tensor).
     seed: int64 `[2]` seed.
     stddev: standard deviation (Python number or scalar tensor); it scales
       the radius of each pair (half the products of scaling the draws).
+    dtype: tf.float64 or tf.float32 (the precision the noise is added at:
+      the radius is computed in float64 either way).
 
   Returns:
-    A float64 tensor of `shape`.
+    A tensor of `shape` and `dtype`.
   """
   shape = tf.cast(shape, tf.int32)
   size = tf.reduce_prod(shape)
-  pairs = (size + 1) // 2
-  # One draw, in rows: each word's slice is contiguous.
-  bits = philox.bits(tf.stack([3, pairs]), seed)
-  return tf.reshape(box_muller(bits, stddev)[:size], shape)
+  blocks = ((size + 1) // 2 + _BLOCK - 1) // _BLOCK
+  pairs = blocks * _BLOCK
+  words = philox.bits(tf.stack([2, pairs]), seed)  # Rows 0 and 1.
+  high = _high(words[0], words[1])
+  in_tails = _in_tails(high)
+  log_u = _log_uniform(high)
+  by_block = tf.stack([blocks, _BLOCK])
+  marked = tf.reduce_any(tf.reshape(in_tails, by_block), axis=1)
+  if _in_xla():
+    rank = tf.cumsum(tf.cast(marked, tf.int32), exclusive=True)
+    third = tf.gather(philox.bits(by_block, seed, offset=2 * pairs), rank)
+    log_u = tf.where(in_tails, _log_uniform(high, tf.reshape(third, [-1])),
+                     log_u)
+  else:
+    ids = tf.where(marked)[:, 0]
+    third = philox.bits(tf.stack([tf.size(ids), _BLOCK]), seed,
+                        offset=2 * pairs)
+    log_u = tf.reshape(log_u, by_block)
+    exact = tf.where(
+        tf.gather(tf.reshape(in_tails, by_block), ids),
+        _log_uniform(tf.gather(tf.reshape(high, by_block), ids), third),
+        tf.gather(log_u, ids))
+    log_u = tf.reshape(
+        tf.tensor_scatter_nd_update(log_u, ids[:, tf.newaxis], exact), [-1])
+  draws = _pairs(log_u, words[1], stddev, dtype)
+  return tf.reshape(draws[:size], shape)
 
 
-def box_muller(bits: tf.Tensor, stddev=1.0) -> tf.Tensor:
-  """Two N(0, stddev^2) float64 draws from each column of three 32-bit words.
+def box_muller(bits: tf.Tensor, stddev=1.0, dtype=tf.float64) -> tf.Tensor:
+  """Two N(0, stddev^2) draws from each column of three 32-bit words.
 
-  The radius `sqrt(-2 log u)` takes a 53-bit uniform `u` (words 0 and 1),
+  The radius `sqrt(-2 log u)` takes a 53-bit uniform `u = (k + 1/2) 2^-53`
+  (`k`: word 0, then the low 8 bits of word 1, then the high 13 of word 2),
   so draws reach 8.6 standard deviations, as far as float64 inverse-CDF
   sampling does: a tail cut short at 5.7 (a float32 uniform) would leave
-  outputs only a neighbouring dataset can produce. The angle only sets the
-  sign and split between the two draws; 24 bits in float32 (word 2) give it
-  to float32 precision, which is what the noise is added at, at a third of
-  the cost of float64 trigonometry.
+  outputs only a neighbouring dataset can produce. The last 13 bits are read
+  only in the tails, where word 0 is below 2^11 or at least 2^32 - 2^11
+  (`u` below 2^-21 or above 1 - 2^-21: a radius above 5.4 or below 0.001).
+  Elsewhere they are set to their middle: that moves `u` by less than
+  2^-41 and the radius by less than a relative 5e-7 (8 float32 units in the
+  last place at most, far less inside), and lets `standard_normal` draw
+  word 2 only where a pair needs it. The angle only sets the sign and split
+  between the two draws; 24 bits in float32 (the high bits of word 1) give
+  it to float32 precision, which is what the noise is added at, at a third
+  of the cost of float64 trigonometry.
 
   Args:
     bits: uint32 `[3, n]`.
     stddev: standard deviation (Python number or scalar tensor).
+    dtype: tf.float64 or tf.float32.
 
   Returns:
-    float64 `[2 n]`: the cosine draws, then the sine draws.
+    `[2 n]` of `dtype`: the cosine draws, then the sine draws.
   """
-  high = tf.cast(tf.bitwise.right_shift(bits[0], 5), tf.float64)
-  low = tf.cast(tf.bitwise.right_shift(bits[1], 6), tf.float64)
-  uniform = (high * 2.0**26 + low + 0.5) * 2.0**-53  # In (0, 1), never 0 or 1.
-  radius = tf.sqrt(-2.0 * tf.math.log(uniform)) * _float64(stddev)
-  turn = tf.cast(tf.bitwise.right_shift(bits[2], 8), tf.float32)
+  high = _high(bits[0], bits[1])
+  log_u = tf.where(_in_tails(high), _log_uniform(high, bits[2]),
+                   _log_uniform(high))
+  return _pairs(log_u, bits[1], stddev, dtype)
+
+
+def _high(first: tf.Tensor, second: tf.Tensor) -> tf.Tensor:
+  """The 40 high bits of `box_muller`'s `k` (word 0, then the low 8 bits of
+  word 1), float64 (exact)."""
+  return tf.cast(first, tf.float64) * 2.0**8 + tf.cast(
+      tf.bitwise.bitwise_and(second, 255), tf.float64)
+
+
+def _in_tails(high: tf.Tensor) -> tf.Tensor:
+  """Whether word 0 is within `_EDGE` of 0 or of 2^32 (`high` below
+  `_EDGE 2^8` or at least `2^40 - _EDGE 2^8`: symmetric about the middle,
+  and exact in float64)."""
+  middle = (2.0**40 - 1) / 2
+  return tf.abs(high - middle) > middle - _EDGE * 2.0**8
+
+
+def _log_uniform(high: tf.Tensor, third: Optional[tf.Tensor] = None
+                 ) -> tf.Tensor:
+  """`log u` (float64) of `box_muller`'s `u` from `_high` and word 2.
+
+  Without word 2, `u`'s last 13 bits at their middle. With it, the exact
+  `u`, from `1 - u` above 1/2, so that a radius near 0 keeps its precision
+  too.
+  """
+  if third is None:
+    return tf.math.log((high + 0.5) * 2.0**-40)
+  k = high * 2.0**13 + tf.cast(tf.bitwise.right_shift(third, 19), tf.float64)
+  # Both exact: u = (k + 1/2) 2^-53, and u - 1 = (k + 1/2 - 2^53) 2^-53.
+  return tf.where(k < 2.0**52, tf.math.log((k + 0.5) * 2.0**-53),
+                  tf.math.log1p((k - 2.0**53 + 0.5) * 2.0**-53))
+
+
+def _pairs(log_u: tf.Tensor, angle_word: tf.Tensor, stddev,
+           dtype) -> tf.Tensor:
+  """The cosine draws, then the sine draws, of radii `sqrt(-2 log u)`."""
+  radius = tf.sqrt(-2.0 * log_u) * _float64(stddev)
+  turn = tf.cast(tf.bitwise.right_shift(angle_word, 8), tf.float32)
   angle = (turn + 0.5) * (2.0 * math.pi * 2.0**-24)
-  return tf.reshape(
-      radius * tf.cast(tf.stack([tf.cos(angle), tf.sin(angle)]), tf.float64),
-      [-1])
+  trig = tf.stack([tf.cos(angle), tf.sin(angle)])
+  if dtype == tf.float32:
+    return tf.reshape(tf.cast(radius, tf.float32) * trig, [-1])
+  if dtype != tf.float64:
+    raise ValueError(f'dtype must be tf.float32 or tf.float64, got {dtype!r}')
+  return tf.reshape(radius * tf.cast(trig, tf.float64), [-1])
 
 
 def substream(seed: tf.Tensor, name: str) -> tf.Tensor:
@@ -116,8 +214,10 @@ def gaussian_like(
   """
   tensors = [tf.convert_to_tensor(t) for t in tensors]
   sizes = [tf.size(t) for t in tensors]
+  dtype = (tf.float64 if any(t.dtype == tf.float64 for t in tensors) else
+           tf.float32)
   draws = tf.split(
-      standard_normal(tf.reshape(tf.add_n(sizes), [1]), seed, stddev),
+      standard_normal(tf.reshape(tf.add_n(sizes), [1]), seed, stddev, dtype),
       tf.stack(sizes), num=len(tensors))
   return [tf.cast(tf.reshape(d, tf.shape(t)), t.dtype)
           for d, t in zip(draws, tensors)]

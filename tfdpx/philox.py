@@ -38,9 +38,18 @@ def _key_counter(seed: tf.Tensor):
   return draw(1), draw(2) * tf.constant([0, 1], tf.uint64)
 
 
-def bits(shape, seed: tf.Tensor, dtype=tf.uint32) -> tf.Tensor:
-  """Uniform integers of `dtype` over its whole range (raw Philox output)."""
+def bits(shape, seed: tf.Tensor, dtype=tf.uint32, offset=None) -> tf.Tensor:
+  """Uniform integers of `dtype` over its whole range (raw Philox output).
+
+  With `offset` (a multiple of 4; int or int32 scalar tensor), the 32-bit
+  words of the stream from that index on: `bits([n], seed, offset=j)` is
+  `bits([j + n], seed)[j:]` without drawing the first `j` (Philox makes four
+  words per counter value, and the seed's counter starts at a low word of 0).
+  """
   key, counter = _key_counter(seed)
+  if offset is not None:
+    step = tf.cast(tf.convert_to_tensor(offset) // 4, tf.uint64)
+    counter += step * tf.constant([1, 0], tf.uint64)
   return gen_stateless_random_ops_v2.stateless_random_uniform_full_int_v2(
       shape, key=key, counter=counter, dtype=dtype, alg=_PHILOX)
 
