@@ -403,6 +403,19 @@ def test_weighted_sums_of_large_units_equal_the_loop(name, monkeypatch):
   _check_against_the_loop(name)
 
 
+def _chunk_sizes(monkeypatch, function):
+  """The chunk sizes the forms call `chunks.<function>` with, from now on."""
+  sizes = []
+  original = getattr(chunks, function)
+
+  def recording(fn, elems, chunk_size, signature):
+    sizes.append(chunk_size)
+    return original(fn, elems, chunk_size, signature)
+
+  monkeypatch.setattr(dense_forms.chunks, function, recording)
+  return sizes
+
+
 @pytest.mark.parametrize('unknown_batch', [False, True])
 @pytest.mark.parametrize('name', ['dense_on_sequences', 'conv2d',
                                   'einsum_dense'])
@@ -414,14 +427,7 @@ def test_weighted_sums_on_positions_contracted_in_chunks_equal_the_loop(
   monkeypatch.setattr(per_example, 'SMALL_UNIT_SIZE', 0)
   monkeypatch.setattr(dense_forms, 'CACHED_KERNEL_SIZE', 0)
   monkeypatch.setattr(dense_forms, 'CHUNK_ENTRIES', 56)
-  sizes = []
-  sum_rows = chunks.sum_rows
-
-  def recording(fn, elems, chunk_size, signature):
-    sizes.append(chunk_size)
-    return sum_rows(fn, elems, chunk_size, signature)
-
-  monkeypatch.setattr(dense_forms.chunks, 'sum_rows', recording)
+  sizes = _chunk_sizes(monkeypatch, 'sum_rows')
   _check_against_the_loop(name, unknown_batch, chunk_size=128)
   assert sizes and min(sizes) < BATCH, sizes  # Several chunks.
 
@@ -435,14 +441,7 @@ def test_statistics_in_chunks_of_a_memory_budget_equal_the_loop(
   # here every kernel is "large" and the budget is two examples of 28.
   monkeypatch.setattr(dense_forms, 'CACHED_KERNEL_SIZE', 0)
   monkeypatch.setattr(dense_forms, 'CHUNK_ENTRIES', 56)
-  sizes = []
-  map_rows = chunks.map_rows
-
-  def recording(fn, elems, chunk_size, signature):
-    sizes.append(chunk_size)
-    return map_rows(fn, elems, chunk_size, signature)
-
-  monkeypatch.setattr(dense_forms.chunks, 'map_rows', recording)
+  sizes = _chunk_sizes(monkeypatch, 'map_rows')
   _check_against_the_loop(name, chunk_size=128)
   assert min(sizes) <= 4, sizes  # Not chunk_size: the budget.
 
