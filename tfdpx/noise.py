@@ -34,7 +34,7 @@ def _float64(value) -> tf.Tensor:
 # matter only in the tails: a pair reads them (its third word) only if its
 # first word lies within `_EDGE` of 0 or of 2^32, one pair in 2^20. The
 # third words come in blocks of `_BLOCK` pairs, drawn only for the blocks
-# that hold such a pair (a draw of 1.3 million holds 0.16 on average).
+# that hold such a pair (a draw of 1.3 million holds 0.6 on average).
 _EDGE = 2**11
 _BLOCK = 4096
 
