@@ -144,13 +144,17 @@ class ProductUnit(unit.Unit):
     if cached is not None:
       return statistic(gradients.MaterializedGradients(
           [gradients.slice_rows(cached, rows)]))[0]
-    lo, hi = self._columns(rows)
-    size = (hi - lo) * self._out
     return chunks.map_rows(
         lambda chunk: [statistic(gradients.MaterializedGradients(
             [self._kernel_of(chunk, rows)]))[0]],
-        self._elems + [self._d],
-        max(1, min(self._chunk_size, CHUNK_ENTRIES // size)), [spec])[0]
+        self._elems + [self._d], self._budget_chunk(rows), [spec])[0]
+
+  def _budget_chunk(self, rows) -> int:
+    """Examples a chunk whose kernel gradients (their slices `rows`) fit
+    `CHUNK_ENTRIES`, at most `chunk_size`."""
+    lo, hi = self._columns(rows)
+    return max(1, min(self._chunk_size,
+                      CHUNK_ENTRIES // ((hi - lo) * self._out)))
 
   def _ghost(self) -> bool:
     """Gram matrices over positions are cheaper than `[p, o]` per example."""
@@ -238,10 +242,9 @@ class ProductUnit(unit.Unit):
         grads = self._kernel_of(elems, rows[0])
         return [tf.tensordot(w_chunk, clipping.zero_rows(
             grads, tf.logical_and(keep_chunk, valid)), [[0], [0]])]
-      lo, hi = self._columns(rows[0])
       kernel = chunks.sum_rows(
           partial, self._elems + [self._d, w, keep],
-          max(1, min(self._chunk_size, CHUNK_ENTRIES // ((hi - lo) * self._out))),
+          self._budget_chunk(rows[0]),
           [tf.TensorSpec([w.shape[1], *self._kernel_shape(rows[0])],
                          self._d.dtype)])[0]
     out = [tf.cast(kernel, self._kernel.dtype)]
@@ -252,9 +255,9 @@ class ProductUnit(unit.Unit):
     return out
 
   def _contracts(self, k: int) -> bool:
-    """Whether `k` weighted sums on sequences are cheaper contracted from
-    the kernel gradients than one pass over the positions each:
-    `T + k < k T`."""
+    """Whether `k` weighted sums on `T` positions are cheaper contracted
+    from the kernel gradients than one pass over the positions each:
+    `T + k < k T` (never for `T = 1`)."""
     t = self._steps
     return k > 1 and (t is None or (k - 1) * (t - 1) > 1)
 
@@ -280,8 +283,7 @@ class ProductUnit(unit.Unit):
     return out
 
   def weighted_sums(self, weights, keep, rows=None):
-    if (self._kernel_cache is not None or
-        (self._steps != 1 and self._contracts(weights.shape[1]))):
+    if self._kernel_cache is not None or self._contracts(weights.shape[1]):
       return self._contracted_sums(weights, keep, rows)
     if self._weighted_sum is not None or self._steps != 1:
       # [B, T, K, o] weighted copies of D would be too large on sequences.
