@@ -403,6 +403,11 @@ def test_weighted_sums_of_large_units_equal_the_loop(name, monkeypatch):
   _check_against_the_loop(name)
 
 
+def _keep_no_kernel(monkeypatch):
+  monkeypatch.setattr(dense_forms, 'CACHED_KERNEL_SIZE', 0)
+  monkeypatch.setattr(dense_forms, 'CACHED_CONV_KERNEL_SIZE', 0)
+
+
 def _chunk_sizes(monkeypatch, function):
   """The chunk sizes the forms call `chunks.<function>` with, from now on."""
   sizes = []
@@ -425,7 +430,7 @@ def test_weighted_sums_on_positions_contracted_in_chunks_equal_the_loop(
   # cached, are contracted from its per-example gradients formed chunk by
   # chunk (a few examples a chunk here), not one pass per column.
   monkeypatch.setattr(per_example, 'SMALL_UNIT_SIZE', 0)
-  monkeypatch.setattr(dense_forms, 'CACHED_KERNEL_SIZE', 0)
+  _keep_no_kernel(monkeypatch)
   monkeypatch.setattr(dense_forms, 'CHUNK_ENTRIES', 56)
   sizes = _chunk_sizes(monkeypatch, 'sum_rows')
   _check_against_the_loop(name, unknown_batch, chunk_size=128)
@@ -439,7 +444,7 @@ def test_statistics_in_chunks_of_a_memory_budget_equal_the_loop(
   # A large kernel's statistics are reduced from its per-example gradients
   # in chunks of at most CHUNK_ENTRIES entries, however large chunk_size:
   # here every kernel is "large" and the budget is two examples of 28.
-  monkeypatch.setattr(dense_forms, 'CACHED_KERNEL_SIZE', 0)
+  _keep_no_kernel(monkeypatch)
   monkeypatch.setattr(dense_forms, 'CHUNK_ENTRIES', 56)
   sizes = _chunk_sizes(monkeypatch, 'map_rows')
   _check_against_the_loop(name, chunk_size=128)
@@ -863,49 +868,80 @@ def test_chunks_run_one_after_the_other():
   assert all(op.get_attr('parallel_iterations') == 1 for op in loops)
 
 
+def _path(variable) -> str:
+  """A variable's unique name (Keras 3's `name` is the last part only)."""
+  return variable.path if hasattr(variable, 'path') else variable.name
+
+
+def _kernels_formed(monkeypatch, name):
+  """The kernels (paths) model `name`'s engine forms whole in one step of
+  the norms, then two rounds of dots and weighted sums, then the norms:
+  `(model, those formed for the first norms, all)`; each at most once."""
+  formed = []
+  all_kernels = dense_forms.ProductUnit._all_kernels  # pylint: disable=protected-access
+
+  def recording(unit):
+    formed.append(_path(unit.variables[0]))
+    return all_kernels(unit)
+
+  monkeypatch.setattr(dense_forms.ProductUnit, '_all_kernels', recording)
+  model, x, y, rng = _problem(name)
+  directions = [rng.normal(size=(3, *v.shape)).astype('float32')
+                for v in model.trainable_variables]
+  weights = rng.normal(size=(x.shape[0], 2)).astype('float32')
+  after_norms = []
+
+  @tf.function
+  def statistics(x):
+    grads = recorder.model_gradients(
+        model, x, lambda outputs: _squared_error(y, outputs),
+        model.trainable_variables, chunk_size=2).grads
+    grads.sq_norms()
+    after_norms.extend(formed)
+    for _ in range(2):
+      grads.dots(directions)
+      grads.weighted_sums(weights)
+    return grads.sq_norms()
+
+  statistics(x)
+  assert len(set(formed)) == len(formed), formed
+  return model, after_norms, formed
+
+
 def test_a_kernel_is_formed_once_and_only_when_read_beyond_ghost_norms(
     monkeypatch):
   # Norms alone (DP-SGD) need no [B, *kernel.shape] tensor where the kernel
   # has the ghost form; once another statistic forms it, every later
   # statistic of the step reuses it. A kernel without the ghost form is
   # formed for its norms too, once.
-  formed = []
-  all_kernels = dense_forms.ProductUnit._all_kernels  # pylint: disable=protected-access
-
-  def recording(unit):
-    formed.append(unit.variables[0].path if hasattr(unit.variables[0], 'path')
-                  else unit.variables[0].name)
-    return all_kernels(unit)
-
-  monkeypatch.setattr(dense_forms.ProductUnit, '_all_kernels', recording)
   # The first layer's kernel: ghost norms in one model, none in the other.
   for name, after_norms in (('conv2d_ghost', 0), ('conv2d', 1)):
-    model, x, y, rng = _problem(name)
-    first = model.layers[0].kernel
-    first = first.path if hasattr(first, 'path') else first.name
-    directions = [rng.normal(size=(3, *v.shape)).astype('float32')
-                  for v in model.trainable_variables]
-    weights = rng.normal(size=(x.shape[0], 2)).astype('float32')
-    counts = []
+    model, norms_formed, formed = _kernels_formed(monkeypatch, name)
+    first = _path(model.layers[0].kernel)
+    assert [norms_formed.count(first), formed.count(first)] == [
+        after_norms, 1], (name, formed)
 
-    @tf.function
-    def statistics(x):
-      grads = recorder.model_gradients(
-          model, x, lambda outputs: _squared_error(y, outputs),  # pylint: disable=cell-var-from-loop
-          model.trainable_variables, chunk_size=2).grads
-      grads.sq_norms()
-      counts.append(formed.count(first))  # pylint: disable=cell-var-from-loop
-      for _ in range(2):
-        grads.dots(directions)  # pylint: disable=cell-var-from-loop
-        grads.weighted_sums(weights)  # pylint: disable=cell-var-from-loop
-      counts.append(formed.count(first))  # pylint: disable=cell-var-from-loop
-      return grads.sq_norms()
 
-    statistics(x)
-    assert counts == [after_norms, 1], (name, formed)
-    # Every unit formed its kernels once at most.
-    assert len(set(formed)) == len(formed), (name, formed)
-    formed.clear()
+@pytest.mark.parametrize('unknown_batch', [False, True])
+def test_convolution_kernels_no_larger_than_their_patches_are_kept(
+    unknown_batch, monkeypatch):
+  # A convolution extracts its input patches again for every statistic
+  # of a kernel it does not keep: one of at most CACHED_CONV_KERNEL_SIZE
+  # entries and no more outputs than positions (o <= T) is formed once for
+  # the step, above CACHED_KERNEL_SIZE; a Dense kernel is not. (No unit is
+  # small enough to be materialized whole for its dots.)
+  monkeypatch.setattr(per_example, 'SMALL_UNIT_SIZE', 0)
+  monkeypatch.setattr(dense_forms, 'CACHED_KERNEL_SIZE', 0)
+  monkeypatch.setattr(dense_forms, 'CACHED_CONV_KERNEL_SIZE', 10**6)
+  # conv2d: T = 40, 18 and 3 positions, o = 4, 3, 2. conv2d_ghost: T = 4,
+  # o = 16, then a Dense layer.
+  model, _, formed = _kernels_formed(monkeypatch, 'conv2d')
+  assert sorted(formed) == sorted(_path(layer.kernel)
+                                  for layer in model.layers), formed
+  assert _kernels_formed(monkeypatch, 'conv2d_ghost')[2] == []
+  _check_against_the_loop('conv2d', unknown_batch=unknown_batch)
+  monkeypatch.setattr(dense_forms, 'CACHED_CONV_KERNEL_SIZE', 0)
+  assert _kernels_formed(monkeypatch, 'conv2d')[2] == []
 
 
 def test_microbatch_means_average_the_examples_of_each_microbatch():

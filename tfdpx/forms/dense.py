@@ -34,6 +34,11 @@ RowsOf = Callable[[List[tf.Tensor]], tf.Tensor]
 # batch 1024, 64 MiB per layer.
 CACHED_KERNEL_SIZE = 16384
 
+# A convolution's kernel of at most this many entries (3 x 3 x 64 x 113) is
+# kept too if it is no larger than the input patches each statistic would
+# extract again (`o <= T`): at batch 1024, at most 256 MiB per layer.
+CACHED_CONV_KERNEL_SIZE = 65536
+
 # A statistic reduced from per-example kernel gradients forms at most this
 # many entries at once (16 MiB of float32): the encoder's 256 x 1024 kernels
 # 16 examples a chunk, not `chunk_size`.
@@ -46,7 +51,8 @@ class ProductUnit(unit.Unit):
   def __init__(self, kernel: tf.Variable, bias: Optional[tf.Variable],
                rows_of: RowsOf, elems: Sequence[tf.Tensor],
                tap_grad: tf.Tensor, chunk_size: int,
-               weighted_sum: Optional[Callable] = None):
+               weighted_sum: Optional[Callable] = None,
+               patches: bool = False):
     """Args:
       kernel: the kernel; its gradient is `A_i^T D_i` reshaped to its shape.
       bias: the bias (gradient `sum_t D_i[t]`, in its shape), or None.
@@ -58,6 +64,9 @@ class ProductUnit(unit.Unit):
       weighted_sum: optional exact `weighted_sum(weights, keep)` of the
         kernel and bias (the layer's own backward pass); default one matmul
         over all positions.
+      patches: `rows_of` extracts input patches (a convolution): keeping
+        the per-example kernels spares extracting them again, so larger
+        kernels are kept (`CACHED_CONV_KERNEL_SIZE`).
     """
     super().__init__([kernel] + ([bias] if bias is not None else []))
     self._kernel, self._bias = kernel, bias
@@ -66,6 +75,7 @@ class ProductUnit(unit.Unit):
     self._d = tap_grad
     self._chunk_size = int(chunk_size)
     self._weighted_sum = weighted_sum
+    self._patches = patches
     self._steps = tap_grad.shape[1]
     self._out = tap_grad.shape[-1]
     self._in = kernel.shape.num_elements() // self._out
@@ -116,7 +126,7 @@ class ProductUnit(unit.Unit):
         self._chunk_size, [tf.TensorSpec(self._kernel.shape, self._d.dtype)])[0]
 
   def _cached_kernel(self) -> Optional[tf.Tensor]:
-    """`[B, *kernel.shape]`, formed once, if one example's is small.
+    """`[B, *kernel.shape]`, formed once, if it is kept (`_keeps_kernel`).
 
     Every later statistic of the step (norms, dots, masked norms, weighted
     sums) then reduces the same tensor instead of forming the patches and
@@ -128,11 +138,21 @@ class ProductUnit(unit.Unit):
     does not call this: DP-SGD, which asks only for norms, never forms its
     per-example gradients.
     """
-    if self._kernel.shape.num_elements() > CACHED_KERNEL_SIZE:
+    if not self._keeps_kernel():
       return None
     if self._kernel_cache is None:
       self._kernel_cache = self._all_kernels()
     return self._kernel_cache
+
+  def _keeps_kernel(self) -> bool:
+    """Whether the per-example kernels are formed once for the step."""
+    size = self._kernel.shape.num_elements()
+    if size <= CACHED_KERNEL_SIZE:
+      return True
+    # A convolution's patches (`T p` an example) cost more to extract again
+    # than a kernel of `p o <= T p` entries costs to keep.
+    return (self._patches and size <= CACHED_CONV_KERNEL_SIZE and
+            self._steps is not None and self._out <= self._steps)
 
   def _kernel_rows(self, statistic, spec: tf.TensorSpec,
                    rows=None) -> tf.Tensor:

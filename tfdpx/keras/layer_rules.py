@@ -395,7 +395,7 @@ def _conv_unit(call: RuleCall) -> List[unit_lib.Unit]:
   return [dense_forms.ProductUnit(
       layer.kernel, bias, lambda elems: _conv_patches(layer, elems[0]),
       [_conv_pad(layer, call.inputs)], _sequence_rows(call.tap_grad),
-      call.chunk_size, backward)]
+      call.chunk_size, backward, patches=True)]
 
 
 # --- EinsumDense --------------------------------------------------------------
