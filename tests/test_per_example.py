@@ -373,6 +373,17 @@ def test_statistics_with_an_unknown_batch_size_equal_the_loop(name,
   _check_against_the_loop(name, unknown_batch=True, chunk_size=chunk_size)
 
 
+def test_a_convolution_on_one_position_equals_the_loop():
+  # One output position takes the forms on vectors, which read the patches
+  # of the whole batch in the kernel's order (with oneDNN, the depthwise
+  # extraction lays them out channel by channel).
+  tf.keras.utils.set_random_seed(1)
+  model = tf.keras.Sequential([tf.keras.Input((3, 3, 2)), L.Conv2D(3, 3),
+                               L.Flatten(), L.Dense(2)])
+  _check_against_the_loop_of(model, _floats(3, 3, 2)(
+      np.random.default_rng(0)))
+
+
 @pytest.mark.parametrize('name', sorted(MODELS))
 def test_weighted_sums_keep_the_variables_static_shapes(name):
   # Privatizers read sizes from the released sums (D2P2's projection), and

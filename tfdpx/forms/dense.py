@@ -52,7 +52,8 @@ class ProductUnit(unit.Unit):
                rows_of: RowsOf, elems: Sequence[tf.Tensor],
                tap_grad: tf.Tensor, chunk_size: int,
                weighted_sum: Optional[Callable] = None,
-               patches: bool = False):
+               patches: bool = False,
+               column_rows: Optional[Sequence[int]] = None):
     """Args:
       kernel: the kernel; its gradient is `A_i^T D_i` reshaped to its shape.
       bias: the bias (gradient `sum_t D_i[t]`, in its shape), or None.
@@ -67,6 +68,11 @@ class ProductUnit(unit.Unit):
       patches: `rows_of` extracts input patches (a convolution): keeping
         the per-example kernels spares extracting them again, so larger
         kernels are kept (`CACHED_CONV_KERNEL_SIZE`).
+      column_rows: the kernel row (of its flattened input axes) that each
+        column of `rows_of`'s `A` makes, where they are not in order (a
+        depthwise convolution extracts patches channel by channel): the
+        per-example kernels are put in order once formed, `p o` entries an
+        example, instead of `A`'s `T p`.
     """
     super().__init__([kernel] + ([bias] if bias is not None else []))
     self._kernel, self._bias = kernel, bias
@@ -76,6 +82,11 @@ class ProductUnit(unit.Unit):
     self._chunk_size = int(chunk_size)
     self._weighted_sum = weighted_sum
     self._patches = patches
+    # The column of `A` that makes each kernel row, or None: in order.
+    self._row_columns = None
+    if column_rows is not None and list(column_rows) != sorted(column_rows):
+      self._row_columns = sorted(range(len(column_rows)),
+                                 key=lambda c: column_rows[c])
     self._steps = tap_grad.shape[1]
     self._out = tap_grad.shape[-1]
     self._in = kernel.shape.num_elements() // self._out
@@ -86,8 +97,12 @@ class ProductUnit(unit.Unit):
   # --- helpers ---------------------------------------------------------------
 
   def _a(self) -> tf.Tensor:
-    """`A` of the whole batch, `[B, T, p]` (cheap for Dense: its inputs)."""
-    return tf.cast(self._rows_of(self._elems), self._d.dtype)
+    """`A` of the whole batch, `[B, T, p]`, its columns in the kernel's row
+    order (cheap for Dense: its inputs)."""
+    a = tf.cast(self._rows_of(self._elems), self._d.dtype)
+    if self._row_columns is None:
+      return a
+    return tf.gather(a, self._row_columns, axis=-1)
 
   def _bias_grads(self) -> gradients.MaterializedGradients:
     if self._bias_rows is None:
@@ -115,8 +130,15 @@ class ProductUnit(unit.Unit):
     """
     *elems, d = chunk
     lo, hi = self._columns(rows)
-    a = tf.cast(self._rows_of(elems), d.dtype)[..., lo:hi]
-    grads = tf.einsum('ctp,cto->cpo', a, d)
+    a = tf.cast(self._rows_of(elems), d.dtype)
+    if self._row_columns is None:
+      grads = tf.einsum('ctp,cto->cpo', a[..., lo:hi], d)
+    elif rows is not None:
+      grads = tf.einsum('ctp,cto->cpo', tf.gather(
+          a, self._row_columns[lo:hi], axis=-1), d)
+    else:  # Put in order as `[c, p, o]`, not as `[c, T, p]`.
+      grads = tf.gather(tf.einsum('ctp,cto->cpo', a, d), self._row_columns,
+                        axis=1)
     return tf.reshape(grads, [-1, *self._kernel_shape(rows)])
 
   def _all_kernels(self) -> tf.Tensor:

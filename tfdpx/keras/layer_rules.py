@@ -333,18 +333,40 @@ def _onednn() -> bool:
   return bool(_pywrap_util_port.IsMklEnabled())
 
 
+def _depthwise_patches(layer) -> bool:
+  """Whether `_conv_patches` extracts the patches by a depthwise convolution.
+
+  With oneDNN, a depthwise convolution with one-hot kernels extracts them
+  (each output channel is one tap of one input channel), as exactly as
+  `tf.image.extract_patches` and up to 3.5 times faster. Without oneDNN it is
+  the other way round (TensorFlow's own depthwise kernel: 1.8 to 2.3 times
+  slower on the tutorial CNN's two layers), and that kernel (CPU, GPU)
+  refuses unequal strides: those and every convolution without oneDNN take
+  `tf.image.extract_patches`.
+  """
+  # A 1-D convolution is a 2-D one of height 1 with equal strides (below).
+  return (layer.rank == 1 or layer.strides[0] == layer.strides[1]) and _onednn()
+
+
+def _patch_rows(layer, channels: int) -> Optional[List[int]]:
+  """The kernel row (of its flattened input axes: taps, then channels) of
+  each column of `_conv_patches`, or None where they are in that order."""
+  if not _depthwise_patches(layer):
+    return None
+  taps = math.prod(layer.kernel_size)
+  return [tap * channels + channel for channel in range(channels)
+          for tap in range(taps)]
+
+
 def _conv_patches(layer, inputs):
   """The input patches of each output position, `[B, T, p]`.
 
-  `p` is the kernel volume times the input channels, in the order of the
-  kernel's first axes, so the kernel gradient of example `i` is
-  `patches_i^T D_i` reshaped to the kernel's shape. With oneDNN, a depthwise
-  convolution with one-hot kernels extracts them (each output channel is one
-  tap of one input channel), as exactly as `tf.image.extract_patches` and up
-  to 3.5 times faster. Without oneDNN it is the other way round (TensorFlow's
-  own depthwise kernel: 1.8 to 2.3 times slower on the tutorial CNN's two
-  layers), and that kernel (CPU, GPU) refuses unequal strides: those and every
-  convolution without oneDNN take `tf.image.extract_patches`.
+  `p` is the kernel volume times the input channels: in the order of the
+  kernel's first axes from `tf.image.extract_patches`, so the kernel
+  gradient of example `i` is `patches_i^T D_i` reshaped to the kernel's
+  shape; channel by channel from a depthwise convolution
+  (`_depthwise_patches`), whose columns `_patch_rows` orders (the per-example
+  products are put in order, not the larger patches).
   """
   padding = 'SAME' if layer.padding == 'same' else 'VALID'
   if layer.rank == 1:  # A 1-D convolution is a 2-D one of height 1,
@@ -358,18 +380,12 @@ def _conv_patches(layer, inputs):
     strides = [1, *layer.strides, 1]
     dilations = list(layer.dilation_rate)
   taps = size[0] * size[1]
-  channels = inputs.shape[-1]
-  if strides[1] == strides[2] and _onednn():
+  if _depthwise_patches(layer):
     one_hot = tf.reshape(tf.eye(taps, dtype=inputs.dtype), [*size, 1, taps])
     patches = tf.nn.depthwise_conv2d(
-        inputs, tf.tile(one_hot, [1, 1, channels, 1]), strides=strides,
-        padding=padding, dilations=dilations)  # [B, H, W, channels * taps]
-    shape = tf.shape(patches)
-    patches = tf.reshape(patches,
-                         tf.concat([shape[:3], [channels, taps]], 0))
-    # Kernel order: taps (row-major), then channels.
-    patches = tf.reshape(tf.transpose(patches, [0, 1, 2, 4, 3]),
-                         tf.concat([shape[:3], [taps * channels]], 0))
+        inputs, tf.tile(one_hot, [1, 1, inputs.shape[-1], 1]),
+        strides=strides, padding=padding,
+        dilations=dilations)  # [B, H, W, channels * taps]
   else:  # Already in kernel order: [B, H, W, taps * channels].
     patches = tf.image.extract_patches(
         inputs, sizes=[1, *size, 1], strides=strides,
@@ -395,7 +411,8 @@ def _conv_unit(call: RuleCall) -> List[unit_lib.Unit]:
   return [dense_forms.ProductUnit(
       layer.kernel, bias, lambda elems: _conv_patches(layer, elems[0]),
       [_conv_pad(layer, call.inputs)], _sequence_rows(call.tap_grad),
-      call.chunk_size, backward, patches=True)]
+      call.chunk_size, backward, patches=True,
+      column_rows=_patch_rows(layer, call.inputs.shape[-1]))]
 
 
 # --- EinsumDense --------------------------------------------------------------
