@@ -17,10 +17,10 @@ import zlib
 from typing import List, Optional, Sequence
 
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util  # pylint: disable=g-direct-tensorflow-import
 
 from tfdpx import gradients
 from tfdpx import philox
+from tfdpx import xla
 
 
 def _float64(value) -> tf.Tensor:
@@ -39,12 +39,6 @@ _EDGE = 2**11
 _BLOCK = 4096
 
 
-def _in_xla() -> bool:
-  """Whether the ops built now are compiled by XLA (static shapes only)."""
-  return control_flow_util.GraphOrParentsInXlaContext(
-      tf.compat.v1.get_default_graph())
-
-
 def standard_normal(shape, seed: tf.Tensor, stddev=1.0,
                     dtype=tf.float64) -> tf.Tensor:
   """N(0, stddev^2) draws of `shape`, from raw Philox bits.
@@ -59,7 +53,8 @@ def standard_normal(shape, seed: tf.Tensor, stddev=1.0,
   read are drawn: rows 0 and 1 whole, and as many blocks of row 2 as there
   are such blocks (one contiguous draw), so a draw costs about two 32-bit
   words per pair instead of three. Under XLA, which needs static shapes,
-  row 2 is drawn whole and its blocks gathered: the same draws. Every
+  row 2 is drawn whole, its blocks gathered, and `box_muller` takes the
+  three rows: the same draws. Every
   pair's words are independent uniform words, whichever block of row 2 it
   reads.
 
@@ -81,15 +76,15 @@ def standard_normal(shape, seed: tf.Tensor, stddev=1.0,
   words = philox.bits(tf.stack([2, pairs]), seed)  # Rows 0 and 1.
   high = _high(words[0], words[1])
   in_tails = _in_tails(high)
-  log_u = _log_uniform(high)
   by_block = tf.stack([blocks, _BLOCK])
   marked = tf.reduce_any(tf.reshape(in_tails, by_block), axis=1)
-  if _in_xla():
+  if xla.in_xla():
     rank = tf.cumsum(tf.cast(marked, tf.int32), exclusive=True)
     third = tf.gather(philox.bits(by_block, seed, offset=2 * pairs), rank)
-    log_u = tf.where(in_tails, _log_uniform(high, tf.reshape(third, [-1])),
-                     log_u)
+    draws = box_muller(tf.concat([words, tf.reshape(third, [1, -1])], 0),
+                       stddev, dtype)
   else:
+    log_u = _log_uniform(high)
     ids = tf.where(marked)[:, 0]
     third = philox.bits(tf.stack([tf.size(ids), _BLOCK]), seed,
                         offset=2 * pairs)
@@ -100,7 +95,7 @@ def standard_normal(shape, seed: tf.Tensor, stddev=1.0,
         tf.gather(log_u, ids))
     log_u = tf.reshape(
         tf.tensor_scatter_nd_update(log_u, ids[:, tf.newaxis], exact), [-1])
-  draws = _pairs(log_u, words[1], stddev, dtype)
+    draws = _pairs(log_u, words[1], stddev, dtype)
   return tf.reshape(draws[:size], shape)
 
 

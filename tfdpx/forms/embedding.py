@@ -11,9 +11,9 @@ another batch (`cross_grams`) join the two batches' pairs on their ids.
 """
 
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util  # pylint: disable=g-direct-tensorflow-import
 
 from tfdpx import clipping
+from tfdpx import xla
 from tfdpx.forms import unit
 
 
@@ -31,8 +31,7 @@ def sorted_segment_sum(data: tf.Tensor, segment_ids: tf.Tensor,
   0.9 ms; 2.15: 1.0 against 0.9). XLA has no `SegmentSum` whose output size
   depends on the data, so under XLA the unsorted op stays.
   """
-  graph = tf.compat.v1.get_default_graph()
-  if control_flow_util.GraphOrParentsInXlaContext(graph):
+  if xla.in_xla():
     return tf.math.unsorted_segment_sum(data, segment_ids, num_segments)
   sums = tf.math.segment_sum(data, segment_ids)
   padding = [[0, num_segments - tf.shape(sums)[0]]] + [[0, 0]] * (
