@@ -52,8 +52,7 @@ class ProductUnit(unit.Unit):
                rows_of: RowsOf, elems: Sequence[tf.Tensor],
                tap_grad: tf.Tensor, chunk_size: int,
                weighted_sum: Optional[Callable] = None,
-               patches: bool = False,
-               column_rows: Optional[Sequence[int]] = None):
+               patch_rows: Optional[Sequence[int]] = None):
     """Args:
       kernel: the kernel; its gradient is `A_i^T D_i` reshaped to its shape.
       bias: the bias (gradient `sum_t D_i[t]`, in its shape), or None.
@@ -65,14 +64,14 @@ class ProductUnit(unit.Unit):
       weighted_sum: optional exact `weighted_sum(weights, keep)` of the
         kernel and bias (the layer's own backward pass); default one matmul
         over all positions.
-      patches: `rows_of` extracts input patches (a convolution): keeping
-        the per-example kernels spares extracting them again, so larger
-        kernels are kept (`CACHED_CONV_KERNEL_SIZE`).
-      column_rows: the kernel row (of its flattened input axes) that each
-        column of `rows_of`'s `A` makes, where they are not in order (a
-        depthwise convolution extracts patches channel by channel): the
-        per-example kernels are put in order once formed, `p o` entries an
-        example, instead of `A`'s `T p`.
+      patch_rows: for a convolution, whose `rows_of` extracts input
+        patches: the kernel row (of its flattened input axes) that each
+        column of `A` makes. Keeping the per-example kernels spares
+        extracting the patches again, so larger kernels are kept
+        (`CACHED_CONV_KERNEL_SIZE`); columns out of order (a depthwise
+        convolution extracts patches channel by channel) are put in order
+        in the per-example kernels once formed, `p o` entries an example,
+        instead of `A`'s `T p`.
     """
     super().__init__([kernel] + ([bias] if bias is not None else []))
     self._kernel, self._bias = kernel, bias
@@ -81,12 +80,12 @@ class ProductUnit(unit.Unit):
     self._d = tap_grad
     self._chunk_size = int(chunk_size)
     self._weighted_sum = weighted_sum
-    self._patches = patches
+    self._patches = patch_rows is not None
     # The column of `A` that makes each kernel row, or None: in order.
     self._row_columns = None
-    if column_rows is not None and list(column_rows) != sorted(column_rows):
-      self._row_columns = sorted(range(len(column_rows)),
-                                 key=lambda c: column_rows[c])
+    if self._patches and list(patch_rows) != sorted(patch_rows):
+      self._row_columns = sorted(range(len(patch_rows)),
+                                 key=lambda c: patch_rows[c])
     self._steps = tap_grad.shape[1]
     self._out = tap_grad.shape[-1]
     self._in = kernel.shape.num_elements() // self._out

@@ -348,12 +348,12 @@ def _depthwise_patches(layer) -> bool:
   return (layer.rank == 1 or layer.strides[0] == layer.strides[1]) and _onednn()
 
 
-def _patch_rows(layer, channels: int) -> Optional[List[int]]:
+def _patch_rows(layer, channels: int) -> List[int]:
   """The kernel row (of its flattened input axes: taps, then channels) of
-  each column of `_conv_patches`, or None where they are in that order."""
-  if not _depthwise_patches(layer):
-    return None
+  each column of `_conv_patches`."""
   taps = math.prod(layer.kernel_size)
+  if not _depthwise_patches(layer):  # Already in that order.
+    return list(range(taps * channels))
   return [tap * channels + channel for channel in range(channels)
           for tap in range(taps)]
 
@@ -411,8 +411,8 @@ def _conv_unit(call: RuleCall) -> List[unit_lib.Unit]:
   return [dense_forms.ProductUnit(
       layer.kernel, bias, lambda elems: _conv_patches(layer, elems[0]),
       [_conv_pad(layer, call.inputs)], _sequence_rows(call.tap_grad),
-      call.chunk_size, backward, patches=True,
-      column_rows=_patch_rows(layer, call.inputs.shape[-1]))]
+      call.chunk_size, backward,
+      patch_rows=_patch_rows(layer, call.inputs.shape[-1]))]
 
 
 # --- EinsumDense --------------------------------------------------------------
