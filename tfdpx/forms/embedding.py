@@ -13,6 +13,7 @@ another batch (`cross_grams`) join the two batches' pairs on their ids.
 import tensorflow as tf
 
 from tfdpx import clipping
+from tfdpx import gradients
 from tfdpx import xla
 from tfdpx.forms import unit
 
@@ -88,7 +89,7 @@ class EmbeddingUnit(unit.Unit):
 
   def sq_norms(self):
     rows = tf.cast(self._rows, tf.float32)
-    return [self._per_example(tf.reduce_sum(tf.square(rows), axis=1))]
+    return [self._per_example(gradients.row_sq_norms(rows))]
 
   def _window(self, rows):
     """`(ids, inside, size)` of the pairs on the table rows `rows`.
