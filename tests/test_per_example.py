@@ -466,6 +466,21 @@ def test_statistics_in_chunks_of_a_memory_budget_equal_the_loop(
   assert min(sizes) <= 4, sizes  # Not chunk_size: the budget.
 
 
+def test_kept_convolution_kernels_are_formed_in_chunks_of_patches_in_budget(
+    monkeypatch):
+  # A convolution's input patches (T p entries an example) are extracted
+  # at most CHUNK_ENTRIES at once, also where its kernels are formed once to
+  # be kept (the CIFAR CNN's second convolution: 127 MiB of patches a chunk
+  # of 128). conv2d's T p: 40 x 27, 18 x 16 and 3 x 18 entries, so a budget
+  # of 600 takes 1, 2 and 11 examples a chunk, not chunk_size.
+  monkeypatch.setattr(per_example, 'SMALL_UNIT_SIZE', 0)
+  monkeypatch.setattr(dense_forms, 'CACHED_KERNEL_SIZE', 10**6)
+  monkeypatch.setattr(dense_forms, 'CHUNK_ENTRIES', 600)
+  sizes = _chunk_sizes(monkeypatch, 'map_rows')
+  _check_against_the_loop('conv2d', unknown_batch=True, chunk_size=128)
+  assert sorted(set(sizes)) == [1, 2, 11], sizes
+
+
 def test_rules_cover_the_ruled_layers_and_skip_what_they_cannot_do():
   x2 = tf.zeros([2, 5, 5, 3])
   ruled = [L.Dense(2), L.Conv2D(2, 2), L.LayerNormalization(),

@@ -41,7 +41,9 @@ CACHED_CONV_KERNEL_SIZE = 65536
 
 # A statistic reduced from per-example kernel gradients forms at most this
 # many entries at once (16 MiB of float32): the encoder's 256 x 1024 kernels
-# 16 examples a chunk, not `chunk_size`.
+# 16 examples a chunk, not `chunk_size`. A convolution's input patches, `T p`
+# entries an example, are extracted at most this many at once too: the CIFAR
+# CNN's second convolution, 900 x 288, 14 examples a chunk (at 128, 127 MiB).
 CHUNK_ENTRIES = 1 << 22
 
 
@@ -144,7 +146,16 @@ class ProductUnit(unit.Unit):
     """`[B, *kernel.shape]`, formed chunk by chunk."""
     return chunks.map_rows(
         lambda chunk: [self._kernel_of(chunk)], self._elems + [self._d],
-        self._chunk_size, [tf.TensorSpec(self._kernel.shape, self._d.dtype)])[0]
+        self._rows_chunk(),
+        [tf.TensorSpec(self._kernel.shape, self._d.dtype)])[0]
+
+  def _rows_chunk(self) -> int:
+    """Examples a chunk whose `A` is formed: `chunk_size`, and for the
+    patches of a convolution on `T` positions at most `CHUNK_ENTRIES`."""
+    if not self._patches or self._steps is None:
+      return self._chunk_size
+    return max(1, min(self._chunk_size,
+                      CHUNK_ENTRIES // (self._steps * self._in)))
 
   def _cached_kernel(self) -> Optional[tf.Tensor]:
     """`[B, *kernel.shape]`, formed once, if it is kept (`_keeps_kernel`).
@@ -194,7 +205,7 @@ class ProductUnit(unit.Unit):
     """Examples a chunk whose kernel gradients (their slices `rows`) fit
     `CHUNK_ENTRIES`, at most `chunk_size`."""
     lo, hi = self._columns(rows)
-    return max(1, min(self._chunk_size,
+    return max(1, min(self._rows_chunk(),
                       CHUNK_ENTRIES // ((hi - lo) * self._out)))
 
   def _ghost(self) -> bool:
@@ -222,7 +233,7 @@ class ProductUnit(unit.Unit):
         return [tf.reduce_sum(tf.einsum('bti,bsi->bts', a, a) *
                               tf.einsum('bto,bso->bts', g, g), axis=[1, 2])]
       kernel = chunks.map_rows(ghost, self._elems + [self._d],
-                               self._chunk_size,
+                               self._rows_chunk(),
                                [tf.TensorSpec([], tf.float32)])[0]
     else:
       kernel = self._kernel_rows(lambda g: g.sq_norms(),
