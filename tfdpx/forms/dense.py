@@ -43,7 +43,7 @@ CACHED_CONV_KERNEL_SIZE = 65536
 # many entries at once (16 MiB of float32): the encoder's 256 x 1024 kernels
 # 16 examples a chunk, not `chunk_size`. A convolution's input patches, `T p`
 # entries an example, are extracted at most this many at once too: the CIFAR
-# CNN's second convolution, 900 x 288, 14 examples a chunk (at 128, 127 MiB).
+# CNN's second convolution, 900 x 288, 16 examples a chunk (at 128, 127 MiB).
 CHUNK_ENTRIES = 1 << 22
 
 
