@@ -42,19 +42,22 @@ def drop_nonfinite(
 _COPY_ROW_SIZE = 1024
 
 
-def zero_rows(per_example: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
+def zero_rows(per_example: tf.Tensor, keep: tf.Tensor,
+              many_rows: bool = False) -> tf.Tensor:
   """`per_example` with the rows where `keep` (`[B]` bool) is False zeroed.
 
   A select, not a product: a zeroed row stays zero even if it held NaN. On
-  rows of `_COPY_ROW_SIZE` entries or more (gradients, activations) the
-  select, a copy, runs only in a step that drops a record: on the tutorial
-  CNN's materialized kernel gradients it cost 2 ms a call. Smaller rows
-  (statistics) are selected outright, without a `tf.cond` to trace.
+  rows of `_COPY_ROW_SIZE` entries or more (gradients, activations), or
+  with `many_rows` (short rows, but many of them: an embedding's rows of
+  (example, id) pairs), the select, a copy, runs only in a step that drops
+  a record: on the tutorial CNN's materialized kernel gradients it cost 2 ms
+  a call. Other rows (statistics) are selected outright, without a
+  `tf.cond` to trace.
   """
   rank = per_example.shape.rank
   rows = keep if rank == 1 else tf.reshape(keep, [-1] + [1] * (rank - 1))
   row_size = per_example.shape[1:].num_elements()
-  if row_size is not None and row_size < _COPY_ROW_SIZE:
+  if not many_rows and row_size is not None and row_size < _COPY_ROW_SIZE:
     return tf.where(rows, per_example, tf.zeros_like(per_example))
   return tf.cond(
       tf.reduce_all(keep), lambda: tf.identity(per_example),

@@ -138,11 +138,13 @@ class EmbeddingUnit(unit.Unit):
 
   def weighted_sum(self, weights, keep, rows=None):
     ids, inside, size = self._window(rows[0] if rows else None)
-    kept = tf.gather(keep, self._example)
-    if inside is not None:
-      kept = tf.logical_and(kept, inside)
-    rows = clipping.zero_rows(self._rows, kept)
+    rows = clipping.zero_rows(self._rows, tf.gather(keep, self._example),
+                              many_rows=True)
     scale = tf.cast(tf.gather(weights, self._example), rows.dtype)
+    if inside is not None:
+      # A kept example's rows are finite (so is its norm): outside the
+      # window a zero scale adds exact zeros, with no select over the rows.
+      scale = tf.where(inside, scale, tf.zeros_like(scale))
     # Dense [vocab, dim]: the noise covers the rows no example touched too.
     # A window maps the ids outside it to 0: no longer sorted.
     segment_sum = (tf.math.unsorted_segment_sum if inside is not None else
