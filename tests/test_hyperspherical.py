@@ -245,3 +245,49 @@ def test_a_million_sines_multiply_without_drift():
   drift = np.sum(np.log(np.abs(sin.numpy())) -
                  np.log(np.abs(np.sin(theta.numpy()))))
   assert abs(drift) < 1e-13
+
+
+@pytest.mark.parametrize('n', [1, 100, 4999])
+def test_leading_angles_are_those_of_to_spherical(n):
+  rng = np.random.default_rng(n)
+  for name, x in _inputs(5001, rng).items():
+    r, theta = hyperspherical.to_spherical(tf.constant(x))
+    r_lead, lead = hyperspherical.leading_angles(tf.constant(x), n)
+    np.testing.assert_allclose(r_lead.numpy(), r.numpy(), rtol=1e-14,
+                               err_msg=name)
+    np.testing.assert_allclose(lead.numpy(), theta.numpy()[:n], rtol=1e-13,
+                               atol=1e-15, err_msg=name)
+  with pytest.raises(ValueError, match='n must be'):
+    hyperspherical.leading_angles(tf.zeros([10]), 9)
+
+
+@pytest.mark.parametrize('noise_std', [0.0, 1.0, 100.0])
+def test_leading_coordinates_are_those_of_to_cartesian(noise_std):
+  """The first n coordinates whatever the later angles; the later ones
+  exactly 0 where `vanished` says so, which large noise makes true."""
+  rng = np.random.default_rng(3)
+  d, n = 20000, 4096
+  r, theta = hyperspherical.to_spherical(tf.constant(rng.normal(size=d)))
+  theta = theta + noise_std * rng.normal(size=d - 1)
+  whole = hyperspherical.to_cartesian(r, theta).numpy()
+  lead, vanished = hyperspherical.leading_coordinates(r, theta[:n])
+  np.testing.assert_allclose(lead.numpy(), whole[:n], rtol=1e-12,
+                             atol=1e-15 * np.abs(whole).max())
+  assert bool(vanished) == (noise_std > 0)
+  if vanished:
+    assert np.all(whole[n:] == 0.0)
+  else:  # Unperturbed angles: the tail keeps its share of the norm.
+    assert np.linalg.norm(whole[n:]) > 0.5 * np.linalg.norm(whole)
+
+
+@pytest.mark.parametrize('log_product', [-700.0, -1100.0])
+def test_leading_coordinates_vanish_only_where_the_rest_is_zero(log_product):
+  """At the edge: a product of sines of exp(-700) still leaves a non-zero
+  coordinate after it (float64 exp is 0 below about -745)."""
+  n = 4096
+  theta = np.zeros(n + 10)  # cos = 1 after the leading angles.
+  theta[:n] = np.arcsin(np.exp(log_product / n))
+  whole = hyperspherical.to_cartesian(1.0, theta).numpy()
+  _, vanished = hyperspherical.leading_coordinates(1.0, theta[:n])
+  assert (whole[n] != 0.0) == (log_product > -745)
+  assert bool(vanished) == (log_product < -1000)

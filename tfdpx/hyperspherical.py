@@ -27,6 +27,10 @@ the cost is O(d) and the numbers are the same eager and under
 `tf.function(jit_compile=True)`. Lengths must be static (variables' shapes
 always are).
 
+`leading_angles` and `leading_coordinates` convert the first angles only,
+and say when the rest of the output is exactly 0 whatever the other angles
+(large angle noise: GeoDP then never forms them).
+
 References:
   J. Duan, H. Hu, Q. Ye, X. Sun, "Analyzing and Optimizing Perturbation of
   DP-SGD Geometrically", arXiv:2504.05618, Eq. 24-27.
@@ -183,6 +187,63 @@ def to_spherical(x: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
   return r, tf.concat([head, last], axis=0)
 
 
+def leading_angles(x: tf.Tensor, n: int) -> Tuple[tf.Tensor, tf.Tensor]:
+  """`(r, theta[:n])` of `to_spherical(x)`, for `1 <= n < d - 1`.
+
+  The suffix norms of the first `n + 1` coordinates are their reverse
+  cumulative sum of squares plus the sum of the other squares: sums of
+  non-negative terms, as in `to_spherical`, whose values these equal up to
+  rounding. Elementwise work over `x`, but angles for `n` coordinates only.
+  """
+  x = tf.convert_to_tensor(x)
+  if x.shape.rank != 1:
+    raise ValueError(f'x must be a 1-D tensor, got shape {x.shape}')
+  _check_length(x.shape[0])
+  if not 1 <= n < x.shape[0] - 1:
+    raise ValueError(f'n must be in [1, {x.shape[0] - 2}], got {n}')
+  x = tf.cast(x, tf.float64)
+  largest = tf.reduce_max(tf.abs(x))
+  scale = tf.where(largest > 0, largest, tf.ones_like(largest))
+  head = x[:n + 1] / scale
+  rest = tf.reduce_sum(tf.square(x[n + 1:] / scale))
+  suffix = tf.sqrt(_cumsum(tf.square(head), reverse=True) + rest)
+  return suffix[0] * largest, tf.atan2(suffix[1:], head[:-1])
+
+
+# Where the log of a prefix product of sines is below this, `to_cartesian`'s
+# later coordinates are all exactly 0: float64 exp is 0 below about -745,
+# and the margin is far above any rounding of the cumulative sums.
+_VANISHED = -1000.0
+
+
+def leading_coordinates(r: tf.Tensor,
+                        theta: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+  """The first `n` coordinates of `to_cartesian(r, angles)` for any `angles`
+  whose first `n` are `theta`, and whether all later ones are exactly 0.
+
+  Coordinate `k` reads only the angles before it and its own, so the first
+  `n` are known from `theta`; every later one is a multiple of the product of
+  the sines of `theta`, which `to_cartesian` computes as exactly 0 when the
+  sum of their logs is below `_VANISHED`. Under large angle noise that
+  happens within a few thousand angles (spec geodp.md §2.4: `|sin|` averages
+  `exp(-ln 2)`), so the other angles need not be known.
+
+  Returns:
+    `(x[:n], vanished)`: float64 `[n]` and a bool scalar.
+  """
+  theta = tf.cast(tf.convert_to_tensor(theta), tf.float64)
+  sin, _ = sin_cos(theta)
+  vanished = tf.reduce_sum(_log_abs(sin)) < _VANISHED
+  return to_cartesian(r, theta)[:-1], vanished
+
+
+def _log_abs(sin: tf.Tensor) -> tf.Tensor:
+  # log|sin| <= 0, so the log prefix never increases: a zero sine, logged as
+  # _LOG_ZERO (far below the log of the smallest float64) instead of -inf,
+  # makes every later prefix exp(...) == 0 exactly, without NaN.
+  return tf.maximum(tf.math.log(tf.abs(sin)), _LOG_ZERO)
+
+
 def to_cartesian(r: tf.Tensor, theta: tf.Tensor) -> tf.Tensor:
   """The vector of magnitude `r` and angles `theta`; inverts `to_spherical`.
 
@@ -206,10 +267,7 @@ def to_cartesian(r: tf.Tensor, theta: tf.Tensor) -> tf.Tensor:
   _check_length(None if theta.shape[0] is None else theta.shape[0] + 1)
   r = tf.cast(r, tf.float64)
   sin, cos = sin_cos(theta)
-  # log|sin| <= 0, so the log prefix never increases: a zero sine, logged as
-  # _LOG_ZERO (far below the log of the smallest float64) instead of -inf,
-  # makes every later prefix exp(...) == 0 exactly, without NaN.
-  log_abs = tf.maximum(tf.math.log(tf.abs(sin)), _LOG_ZERO)
+  log_abs = _log_abs(sin)
   # prefix[k] = prod_{i < k} sin(theta[i]), for k = 0 .. d - 1, from one
   # scan of two rows: log |sin| and the count of negative sines.
   log_prefix, negatives = tf.unstack(tf.pad(

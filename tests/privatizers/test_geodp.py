@@ -19,6 +19,7 @@ import tfdpx
 from tests import stats
 from tfdpx import hyperspherical
 from tfdpx import privatizers
+from tfdpx.privatizers.geodp import LEADING_ANGLES
 
 Z = stats.Z
 
@@ -247,6 +248,84 @@ def test_update_compiles_with_xla_at_a_realistic_size():
     # coordinates: compare at the scale of the largest.
     np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4,
                                atol=1e-4 * np.abs(a.numpy()).max())
+
+
+LARGE_SHAPES = [(50, 80), (1000,)]  # d = 5000 > LEADING_ANGLES + 1.
+
+
+def _reference(privatizer, grads, seed):
+  """GeoDP over all d angles, the noise drawn from the privatizer's streams:
+  the first LEADING_ANGLES angles' from 'direction', the rest's from
+  'direction/rest'."""
+  head = LEADING_ANGLES
+  flat = _clipped_sum(grads, privatizer.config['l2_norm_clip'])
+  r, theta = hyperspherical.to_spherical(tf.constant(flat))
+  sigma_r, sigma_theta = privatizer.noise_stddevs(flat.size)
+
+  def draw(tensor, std, name):
+    return tfdpx.noise.gaussian_like(
+        [tensor], std, tfdpx.noise.substream(seed, name))[0]
+
+  r = r + draw(r, sigma_r, 'magnitude')
+  theta = tf.concat([theta[:head] + draw(theta[:head], sigma_theta,
+                                         'direction'),
+                     theta[head:] + draw(theta[head:], sigma_theta,
+                                         'direction/rest')], 0)
+  if privatizer.config['angle_postprocess'] == 'clamp':
+    theta = tf.concat([tf.clip_by_value(theta[:-1], 0.0, math.pi),
+                       tf.clip_by_value(theta[-1:], -math.pi, math.pi)], 0)
+  return hyperspherical.to_cartesian(r, theta).numpy()
+
+
+@pytest.mark.parametrize('noise_multiplier,clamp,vanishes', [
+    (1.0, False, True), (1.0, True, True), (1e-4, False, False),
+    (1e-4, True, False)])
+def test_beyond_the_leading_angles_the_output_is_the_whole_conversion(
+    noise_multiplier, clamp, vanishes):
+  """Large d: the same output as converting every angle, whether the product
+  of the leading sines vanishes (sound noise) or not (tiny noise)."""
+  privatizer = privatizers.geodp(
+      0.5, noise_multiplier, angle_postprocess='clamp' if clamp else 'none')
+  grads = _grads(3, LARGE_SHAPES, seed=6)
+  seed = tf.constant([4, 2], tf.int64)
+  want = _reference(privatizer, grads, seed)
+  for update in (privatizer.update, tf.function(privatizer.update)):
+    out, _ = update(grads, {}, seed)
+    got = np.concatenate([o.numpy().ravel() for o in out])
+    np.testing.assert_allclose(got, want, rtol=1e-5,
+                               atol=1e-6 * np.abs(want).max())
+    assert np.all(got[LEADING_ANGLES:] == 0.0) == vanishes
+
+
+@pytest.mark.parametrize('noise_multiplier', [1.0, 1e-4])
+def test_large_d_angle_noise_is_what_the_event_claims(noise_multiplier,
+                                                      monkeypatch):
+  """Two-sided, on every angle the conversion reads: the leading ones where
+  their sines vanish (sound noise), all of them where not (tiny noise)."""
+  l2_norm_clip = 0.5
+  privatizer = privatizers.geodp(l2_norm_clip, noise_multiplier)
+  grads = _grads(3, LARGE_SHAPES, seed=7)
+  captured = []
+  real = hyperspherical.to_cartesian
+
+  def spy(r, theta):
+    captured.append(theta.numpy())
+    return real(r, theta)
+
+  monkeypatch.setattr(hyperspherical, 'to_cartesian', spy)
+  _, theta = hyperspherical.to_spherical(
+      tf.constant(_clipped_sum(grads, l2_norm_clip)))
+  noise = []
+  for i in range(40):  # Eager: the spy sees inside the tf.cond too.
+    captured.clear()
+    privatizer.update(grads, {}, tf.constant([8, i], tf.int64))
+    noise.append(captured[-1] - theta.numpy()[:captured[-1].size])
+  noise = np.stack(noise)
+  d = sum(math.prod(s) for s in LARGE_SHAPES)
+  assert noise.shape[1] == (LEADING_ANGLES if noise_multiplier == 1.0 else d - 1)
+  _, sigma_theta = _expected_stds(privatizer, d, l2_norm_clip, 0.5)
+  _check_two_sided(noise, sigma_theta, 0.03)
+  assert abs(noise.mean()) < Z * sigma_theta / math.sqrt(noise.size)
 
 
 def test_constructor_validation():

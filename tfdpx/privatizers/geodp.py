@@ -27,6 +27,10 @@ from tfdpx import hyperspherical
 from tfdpx import noise
 
 MODES = ('sound', 'paper')
+# Angles converted before the others (`GeoDP.release`): where the product of
+# their noisy sines vanishes, as it does under sound-mode noise, the rest of
+# the output is 0 and its angles are never formed.
+LEADING_ANGLES = 4096
 MAGNITUDE_POSTPROCESS = ('none', 'abs', 'relu')
 ANGLE_POSTPROCESS = ('none', 'clamp')
 
@@ -57,7 +61,10 @@ class GeoDP(core.Privatizer):
   convert to (r, theta) = (||S||, d - 1 angles) in float64
   (`tfdpx.hyperspherical`); add N(0, sigma_r^2) to r and independent
   N(0, sigma_theta^2) to each angle; convert back and cast to each variable's
-  dtype. The result is the privatized sum; the optimizer divides it by the
+  dtype. (Angles past the first `LEADING_ANGLES` are formed, noised and
+  converted only where the output reads them: under large angle noise the
+  product of the leading sines is 0 in float64, and so is every later
+  coordinate, whatever its angle. docs/geodp.md, Numerics.) The result is the privatized sum; the optimizer divides it by the
   expected batch size. Angles are scale invariant, so theta(S) = theta(S / B):
   the paper's mean-level formulas are applied at sum level by multiplying
   only the magnitude noise by B.
@@ -257,30 +264,66 @@ class GeoDP(core.Privatizer):
     del plan
     flat = tf.concat(
         [tf.reshape(tf.cast(s, tf.float64), [-1]) for s in sums], axis=0)
-    r, theta = hyperspherical.to_spherical(flat)
-    magnitude_std, angle_std = self.noise_stddevs(flat.shape[0])
+    d = flat.shape[0]
+    magnitude_std, angle_std = self.noise_stddevs(d)
+    head = min(d - 1, LEADING_ANGLES)
+    if head == d - 1:
+      r, theta = hyperspherical.to_spherical(flat)
+    else:
+      r, theta = hyperspherical.leading_angles(flat, head)
     [r_noise] = noise.gaussian_like([r], magnitude_std,
                                     noise.substream(seed, 'magnitude'))
     [theta_noise] = noise.gaussian_like([theta], angle_std,
                                         noise.substream(seed, 'direction'))
-    r, theta = r + r_noise, theta + theta_noise
+    r = self._postprocessed_magnitude(r + r_noise)
+    theta = self._postprocessed_angles(theta + theta_noise, head == d - 1)
+    if head == d - 1:
+      return _split(hyperspherical.to_cartesian(r, theta), sums), state
+
+    def all_angles():
+      """Every coordinate, from the other angles with their own noise."""
+      rest = hyperspherical.to_spherical(flat)[1][head:]
+      [rest_noise] = noise.gaussian_like(
+          [rest], angle_std, noise.substream(seed, 'direction/rest'))
+      rest = self._postprocessed_angles(rest + rest_noise, True)
+      return _split(hyperspherical.to_cartesian(
+          r, tf.concat([theta, rest], axis=0)), sums)
+
+    # Under large angle noise (sound mode) the product of the first angles'
+    # sines vanishes: every later coordinate is then 0 whatever its angle,
+    # and neither those angles nor their noise are computed.
+    leading, vanished = hyperspherical.leading_coordinates(r, theta)
+    return tf.cond(
+        vanished,
+        lambda: _split(tf.pad(leading, [[0, d - head]]), sums),
+        all_angles), state
+
+  def _postprocessed_magnitude(self, r):
     if self._magnitude_postprocess == 'abs':
-      r = tf.abs(r)
-    elif self._magnitude_postprocess == 'relu':
-      r = tf.nn.relu(r)
-    if self._angle_postprocess == 'clamp':
-      theta = tf.concat([tf.clip_by_value(theta[:-1], 0.0, math.pi),
-                         tf.clip_by_value(theta[-1:], -math.pi, math.pi)], 0)
-    out = hyperspherical.to_cartesian(r, theta)
-    sizes = [s.shape.num_elements() for s in sums]
-    return [
-        tf.cast(tf.reshape(part, s.shape), s.dtype)
-        for part, s in zip(tf.split(out, sizes), sums)
-    ], state
+      return tf.abs(r)
+    if self._magnitude_postprocess == 'relu':
+      return tf.nn.relu(r)
+    return r
+
+  def _postprocessed_angles(self, theta, with_last):
+    """`theta`, clamped if asked; `with_last`: it ends with the last angle."""
+    if self._angle_postprocess != 'clamp':
+      return theta
+    if not with_last:
+      return tf.clip_by_value(theta, 0.0, math.pi)
+    return tf.concat([tf.clip_by_value(theta[:-1], 0.0, math.pi),
+                      tf.clip_by_value(theta[-1:], -math.pi, math.pi)], 0)
 
   def dp_event(self, step):
     del step  # Every step costs the same.
     return dp_accounting.GaussianDpEvent(self.noise_multiplier)
+
+
+def _split(flat, sums):
+  """The flat float64 output as one tensor per sum, in its shape and dtype."""
+  sizes = [s.shape.num_elements() for s in sums]
+  return [tf.cast(tf.reshape(part, s.shape), s.dtype)
+          for part, s in zip(tf.split(flat, sizes), sums)]
 
 
 def geodp(l2_norm_clip: float,
