@@ -64,10 +64,11 @@ class GeoDP(core.Privatizer):
   dtype. (Angles past the first `LEADING_ANGLES` are formed, noised and
   converted only where the output reads them: under large angle noise the
   product of the leading sines is 0 in float64, and so is every later
-  coordinate, whatever its angle. docs/geodp.md, Numerics.) The result is the privatized sum; the optimizer divides it by the
-  expected batch size. Angles are scale invariant, so theta(S) = theta(S / B):
-  the paper's mean-level formulas are applied at sum level by multiplying
-  only the magnitude noise by B.
+  coordinate, whatever its angle; docs/geodp.md, Numerics.) The result is
+  the privatized sum; the optimizer divides it by the expected batch size.
+  Angles are scale invariant, so theta(S) = theta(S / B): the paper's
+  mean-level formulas are applied at sum level by multiplying only the
+  magnitude noise by B.
 
   Noise (spec geodp.md §2.3, §5.3, §5.4), with z = `noise_multiplier`,
   lambda = `direction_budget_fraction`, B = `expected_batch_size`:
