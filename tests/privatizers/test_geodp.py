@@ -322,7 +322,8 @@ def test_large_d_angle_noise_is_what_the_event_claims(noise_multiplier,
     noise.append(captured[-1] - theta.numpy()[:captured[-1].size])
   noise = np.stack(noise)
   d = sum(math.prod(s) for s in LARGE_SHAPES)
-  assert noise.shape[1] == (LEADING_ANGLES if noise_multiplier == 1.0 else d - 1)
+  read = LEADING_ANGLES if noise_multiplier == 1.0 else d - 1
+  assert noise.shape[1] == read
   _, sigma_theta = _expected_stds(privatizer, d, l2_norm_clip, 0.5)
   _check_two_sided(noise, sigma_theta, 0.03)
   assert abs(noise.mean()) < Z * sigma_theta / math.sqrt(noise.size)
