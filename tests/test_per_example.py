@@ -729,8 +729,11 @@ def test_a_non_finite_example_has_no_share_in_cross_grams(name):
 
 
 @pytest.mark.parametrize('use_rules', [True, False], ids=['rules', 'fallback'])
+# Every family drops a NaN loss's record in the default run; an infinite
+# input, which reaches the same drop, on Dense (the others: `make test-all`).
 @pytest.mark.parametrize('cause,name', [
-    pytest.param(cause, name, marks=[pytest.mark.slow] * (name == 'mixed'))
+    pytest.param(cause, name, marks=[pytest.mark.slow] * (
+        name == 'mixed' or (cause == 'inf_input' and name != 'dense')))
     for cause in ('inf_input', 'nan_loss')
     for name in ('dense', 'dense_on_short_sequences', 'conv2d', 'layer_norm',
                  'mixed')] + [('nan_loss', 'embedding')])  # Ids: no inf.
