@@ -159,6 +159,18 @@ def _check_length(d):
         f'hyperspherical coordinates need a vector of length >= 2, got {d}')
 
 
+def _scaled(x: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+  """`x` in float64 over its largest magnitude (no under- or overflow of
+  its squares), and that magnitude; `x` checked to be 1-D of length >= 2."""
+  x = tf.convert_to_tensor(x)
+  if x.shape.rank != 1:
+    raise ValueError(f'x must be a 1-D tensor, got shape {x.shape}')
+  _check_length(x.shape[0])
+  x = tf.cast(x, tf.float64)
+  largest = tf.reduce_max(tf.abs(x))
+  return x / tf.where(largest > 0, largest, tf.ones_like(largest)), largest
+
+
 def to_spherical(x: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
   """The magnitude and angles of the vector `x`.
 
@@ -172,13 +184,7 @@ def to_spherical(x: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
   Raises:
     ValueError: if `x` is not 1-D or its length is unknown or below 2.
   """
-  x = tf.convert_to_tensor(x)
-  if x.shape.rank != 1:
-    raise ValueError(f'x must be a 1-D tensor, got shape {x.shape}')
-  _check_length(x.shape[0])
-  x = tf.cast(x, tf.float64)
-  largest = tf.reduce_max(tf.abs(x))
-  scaled = x / tf.where(largest > 0, largest, tf.ones_like(largest))
+  scaled, largest = _scaled(x)
   # Suffix sums tail first; never total - prefix (cancellation in small tails).
   suffix = tf.sqrt(_cumsum(tf.square(scaled), reverse=True))
   r = suffix[0] * largest
@@ -195,17 +201,11 @@ def leading_angles(x: tf.Tensor, n: int) -> Tuple[tf.Tensor, tf.Tensor]:
   non-negative terms, as in `to_spherical`, whose values these equal up to
   rounding. Elementwise work over `x`, but angles for `n` coordinates only.
   """
-  x = tf.convert_to_tensor(x)
-  if x.shape.rank != 1:
-    raise ValueError(f'x must be a 1-D tensor, got shape {x.shape}')
-  _check_length(x.shape[0])
-  if not 1 <= n < x.shape[0] - 1:
-    raise ValueError(f'n must be in [1, {x.shape[0] - 2}], got {n}')
-  x = tf.cast(x, tf.float64)
-  largest = tf.reduce_max(tf.abs(x))
-  scale = tf.where(largest > 0, largest, tf.ones_like(largest))
-  head = x[:n + 1] / scale
-  rest = tf.reduce_sum(tf.square(x[n + 1:] / scale))
+  scaled, largest = _scaled(x)
+  if not 1 <= n < scaled.shape[0] - 1:
+    raise ValueError(f'n must be in [1, {scaled.shape[0] - 2}], got {n}')
+  head = scaled[:n + 1]
+  rest = tf.reduce_sum(tf.square(scaled[n + 1:]))
   suffix = tf.sqrt(_cumsum(tf.square(head), reverse=True) + rest)
   return suffix[0] * largest, tf.atan2(suffix[1:], head[:-1])
 

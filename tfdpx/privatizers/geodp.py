@@ -268,7 +268,8 @@ class GeoDP(core.Privatizer):
     d = flat.shape[0]
     magnitude_std, angle_std = self.noise_stddevs(d)
     head = min(d - 1, LEADING_ANGLES)
-    if head == d - 1:
+    every_angle = head == d - 1
+    if every_angle:
       r, theta = hyperspherical.to_spherical(flat)
     else:
       r, theta = hyperspherical.leading_angles(flat, head)
@@ -277,8 +278,8 @@ class GeoDP(core.Privatizer):
     [theta_noise] = noise.gaussian_like([theta], angle_std,
                                         noise.substream(seed, 'direction'))
     r = self._postprocessed_magnitude(r + r_noise)
-    theta = self._postprocessed_angles(theta + theta_noise, head == d - 1)
-    if head == d - 1:
+    theta = self._postprocessed_angles(theta + theta_noise, every_angle)
+    if every_angle:
       return _split(hyperspherical.to_cartesian(r, theta), sums), state
 
     def all_angles():
