@@ -132,6 +132,16 @@ def _attention(mask):
   return tf.keras.Model(ids, L.Dense(2)(L.Flatten()(x)))
 
 
+def _recurrent():
+  """Every recurrent rule: masks, both directions, states, GRU's gates."""
+  ids = tf.keras.Input((6,), dtype='int32')
+  x = L.Embedding(5, 3, mask_zero=True)(ids)
+  x = L.GRU(4, return_sequences=True, go_backwards=True)(x)
+  x = L.SimpleRNN(3, return_sequences=True, activation='relu')(x)
+  x, h, c = L.LSTM(3, return_state=True)(x)
+  return tf.keras.Model(ids, L.Dense(2)(L.Concatenate()([x, h, c])))
+
+
 def _padded_ids(rng):
   ids = rng.integers(1, 5, size=(BATCH, 6))
   ids[:, 4:] = 0  # The last two positions of every example are padding.
@@ -192,6 +202,7 @@ MODELS = {
     'tied_fallback': (_tied_fallback, _floats(4)),
     'einsum_dense': (_einsum_dense, _floats(6, 7)),
     'attention_padding': (lambda: _attention('padding'), _padded_ids),
+    'recurrent': (_recurrent, _padded_ids),
     'attention_causal': (lambda: _attention('causal'), _ids(6, 5)),
     'attention_cross': (lambda: _attention('cross'), _ids(6, 5)),
 }
@@ -498,9 +509,9 @@ def test_rules_cover_the_ruled_layers_and_skip_what_they_cannot_do():
 def _recorded(model, x):
   """The layers of the rule calls and of the fallback calls of one pass."""
   with tf.GradientTape(persistent=True) as tape:
-    record = recorder._Recorder(tape, True, model.trainable_variables)  # pylint: disable=protected-access
+    record = recorder.Recorder(tape, True, model.trainable_variables)
     record.run(model, tf.convert_to_tensor(x))
-  return ([layer for layer, _, _, _ in record.rule_calls],
+  return ([call.layer for call in record.rule_calls],
           [call.layer for call in record.fallback_calls])
 
 
@@ -768,7 +779,8 @@ def test_a_non_finite_example_is_dropped_and_the_others_are_untouched(
 
 
 class WithDropout(tf.keras.Model):
-  """A subclassed model, one fallback unit, with a Keras Dropout inside."""
+  """A subclassed model with a Keras Dropout between its Dense layers: the
+  engine opens it, the dropout acts in the batched pass."""
 
   def __init__(self):
     super().__init__()
@@ -778,12 +790,29 @@ class WithDropout(tf.keras.Model):
     return self.last(self.drop(self.first(inputs), training=training))
 
 
+class DroppedLinear(L.Layer):
+  """A layer computing with its own kernel and a dropout: one fallback unit
+  that draws random numbers."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.drop = L.Dropout(0.5)
+
+  def build(self, input_shape):
+    self.kernel = self.add_weight(name='kernel', shape=(input_shape[-1], 2))
+
+  def call(self, inputs, training=None):
+    return self.drop(inputs, training=training) @ self.kernel
+
+
 def _random_models():
   signal = tf.keras.Input((5, 3))
   attention = L.MultiHeadAttention(2, 3, dropout=0.5)(signal, signal)
   subclassed = WithDropout()
   subclassed(tf.zeros([1, 5, 3]))
   return {
+      'own_weights': tf.keras.Sequential([tf.keras.Input((5, 3)),
+                                          DroppedLinear()]),
       'lstm': tf.keras.Sequential([
           tf.keras.Input((5, 3)),
           L.LSTM(4, dropout=0.5, recurrent_dropout=0.3), L.Dense(2)]),
@@ -797,7 +826,7 @@ def _random_models():
 
 @pytest.mark.parametrize('graph', [False, True], ids=['eager', 'graph'])
 @pytest.mark.parametrize('name', _slow_mixed(
-    ['lstm', 'gru', 'attention', 'subclassed'], ('lstm',)))
+    ['lstm', 'gru', 'attention', 'subclassed', 'own_weights'], ('lstm',)))
 def test_a_random_fallback_call_gets_the_gradients_of_the_forward_that_ran(
     name, graph, caplog):
   # Before, the fallback recomputed each example with new dropout masks.
@@ -821,9 +850,11 @@ def test_a_random_fallback_call_gets_the_gradients_of_the_forward_that_ran(
   assert np.abs(want[0].numpy()).max() > 0
   for g, w in zip(got, want):
     np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-4, atol=1e-5)
-  # The cost is not silent; attention's dropout acts between its ruled
-  # projections, in the batched pass: no fallback, nothing to warn about.
-  assert ('draws random numbers' in caplog.text) == (name != 'attention')
+  # The cost is not silent; the dropout of attention and of the subclassed
+  # model acts between their ruled sublayers, in the batched pass: no
+  # fallback, nothing to warn about.
+  assert ('draws random numbers' in caplog.text) == (
+      name not in ('attention', 'subclassed'))
 
 
 def test_a_deterministic_fallback_call_stays_linear(caplog):

@@ -8,6 +8,7 @@ from tfdpx.keras.models import DPFunctional
 from tfdpx.keras.models import DPModel
 from tfdpx.keras.models import DPSequential
 from tfdpx.keras.models import make_private
+from tfdpx.keras.report import describe
 from tfdpx.keras.validation import check_private_compatible
 
 DPAdagrad = _optimizers.DPAdagrad

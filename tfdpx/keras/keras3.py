@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, Tuple
 
 import keras
 import tensorflow as tf
+from keras.src import backend as keras_backend
 from keras.src.losses import loss as loss_lib
 from keras.src.models import functional as functional_lib
 from keras.src.models import model as model_lib
@@ -160,6 +161,15 @@ class FunctionalConstructor:
 
   def __init__(self, inputs, outputs, name=None, **engine):
     super().__init__(inputs, outputs, name=name, **engine)
+
+
+# Keras 3 layers run unconverted inside a `tf.function` (Keras is on
+# AutoGraph's list of modules it does not convert): so can the engine that
+# calls them, which spares converting it at every first trace (seconds).
+unconverted = tf.autograph.experimental.do_not_convert
+
+# Keras's recurrent loop (masks, direction, unrolling), for the recurrent rules.
+rnn = keras_backend.rnn
 
 
 def tf_variables(variables):

@@ -21,7 +21,7 @@ reduced chunk by chunk; a rule may give a `unit` instead, with cheaper forms.
 import dataclasses
 import math
 import string
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import tensorflow as tf
 
@@ -50,6 +50,7 @@ class RuleCall(NamedTuple):
     chunk_size: examples per chunk where per-example gradients are formed.
     expected_batch_size: the batch size to plan forms for where the static
       one is unknown, or None.
+    saved: what the rule's `forward` saved for its units, or None.
   """
   layer: tf.keras.layers.Layer
   inputs: tf.Tensor
@@ -58,6 +59,7 @@ class RuleCall(NamedTuple):
   tape: tf.GradientTape
   chunk_size: int
   expected_batch_size: Optional[int] = None
+  saved: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +69,8 @@ class LayerRule:
   Attributes:
     forward: `forward(layer, inputs) -> (outputs, tap)`; `outputs` must equal
       `layer(inputs)`, and `tap` is an intermediate tensor of shape `[B, ...]`
-      from which the weights' gradients follow.
+      (or a tuple of them) from which the weights' gradients follow. It may
+      return a third value, saved for `unit` (`RuleCall.saved`).
     grads: `grads(layer, inputs, tap_grad) -> [(variable, [B, *var.shape])]`,
       given (a chunk of) the layer's input and the gradient of the summed
       loss with respect to `tap`. Variables it omits get no gradient from
@@ -78,6 +81,8 @@ class LayerRule:
       `tfdpx.forms.unit.Unit`, or a list of units of disjoint variables that
       together cover the layer's trainable weights; used instead of `grads`
       when given.
+    form: how the rule's statistics are formed, in a few words, for
+      `tfdpx.keras.describe`.
   """
   forward: Callable[[tf.keras.layers.Layer, tf.Tensor],
                     Tuple[tf.Tensor, tf.Tensor]]
@@ -87,6 +92,7 @@ class LayerRule:
                      bool] = lambda layer, inputs: True
   unit: Optional[Callable[[RuleCall], Union[unit_lib.Unit,
                                             List[unit_lib.Unit]]]] = None
+  form: str = 'rule: per-example gradients formed in chunks'
 
   def __post_init__(self):
     if self.grads is None and self.unit is None:
@@ -124,6 +130,11 @@ def register(layer_class: type, rule: LayerRule) -> None:
   _RULES[layer_class] = rule
 
 
+def registered(layer: tf.keras.layers.Layer) -> bool:
+  """Whether a rule is registered for `layer`'s exact class."""
+  return type(layer) in _RULES
+
+
 def lookup(layer: tf.keras.layers.Layer, inputs) -> Optional[LayerRule]:
   """The rule for calling `layer` on `inputs`, or None (use the fallback)."""
   rule = _RULES.get(type(layer))
@@ -131,17 +142,6 @@ def lookup(layer: tf.keras.layers.Layer, inputs) -> Optional[LayerRule]:
       not rule.supports(layer, inputs)):
     return None
   return rule
-
-
-# Layers without a rule of their own whose weights all sit in sublayers: the
-# engine records each sublayer call instead of the whole call (the layer's
-# own code between them, e.g. attention's softmax, carries no weights).
-_COMPOSITES = {tf.keras.layers.MultiHeadAttention}
-
-
-def composite(layer: tf.keras.layers.Layer) -> bool:
-  """Whether the engine records `layer`'s sublayer calls, not its own."""
-  return type(layer) in _COMPOSITES and layer.built
 
 
 def _called_normally(layer, inputs):
@@ -597,19 +597,29 @@ def _group_norm_supports(layer, inputs):
           getattr(inputs, '_keras_mask', None) is None)
 
 
+_PRODUCT = 'ghost norms or per-example kernels (tfdpx.forms.dense)'
+_SMALL = 'small per-example gradients (tfdpx.forms.materialized)'
+
 register(tf.keras.layers.Dense,
-         LayerRule(_dense_forward, supports=_not_quantized, unit=_dense_units))
+         LayerRule(_dense_forward, supports=_not_quantized, unit=_dense_units,
+                   form=_PRODUCT))
 register(tf.keras.layers.Conv1D,
-         LayerRule(_conv_forward, supports=_conv_supports, unit=_conv_unit))
+         LayerRule(_conv_forward, supports=_conv_supports, unit=_conv_unit,
+                   form=_PRODUCT + ' over patches'))
 register(tf.keras.layers.Conv2D,
-         LayerRule(_conv_forward, supports=_conv_supports, unit=_conv_unit))
+         LayerRule(_conv_forward, supports=_conv_supports, unit=_conv_unit,
+                   form=_PRODUCT + ' over patches'))
 register(tf.keras.layers.EinsumDense,
          LayerRule(_einsum_forward, supports=_einsum_supports,
-                   unit=_einsum_units))
+                   unit=_einsum_units, form=_PRODUCT))
 register(tf.keras.layers.Embedding,
          LayerRule(_called_normally, supports=_embedding_supports,
-                   unit=_embedding_unit))
+                   unit=_embedding_unit,
+                   form='segment sums over the ids present '
+                   '(tfdpx.forms.embedding)'))
 register(tf.keras.layers.LayerNormalization,
-         LayerRule(_called_normally, _layer_norm_grads, _layer_norm_supports))
+         LayerRule(_called_normally, _layer_norm_grads, _layer_norm_supports,
+                   form=_SMALL))
 register(tf.keras.layers.GroupNormalization,
-         LayerRule(_called_normally, _group_norm_grads, _group_norm_supports))
+         LayerRule(_called_normally, _group_norm_grads, _group_norm_supports,
+                   form=_SMALL))

@@ -24,6 +24,7 @@ from tfdpx import noise
 from tfdpx import per_example
 from tfdpx import virtual_batches
 from tfdpx.keras import recorder
+from tfdpx.keras import report
 from tfdpx.keras import validation
 from tfdpx.keras.stack import keras_version
 from tfdpx.keras.stack import optimizers
@@ -255,7 +256,14 @@ class _PrivateTraining(keras_version.ModelHooks):
                                                        sample_weight),
         var_list, self._dp_chunk_size, self._dp_use_layer_rules,
         self._loss_scale(),
-        None if expected is None else int(math.ceil(expected)))
+        None if expected is None else int(math.ceil(expected)),
+        self._report_paths)
+
+  def _report_paths(self, paths, random):
+    """Logs, once, which layers of this model take the fallback."""
+    if not getattr(self, '_dp_reported', False):
+      self._dp_reported = True
+      report.warn_fallback(report.report_of(self, paths, random))
 
   def _loss_scale(self) -> float:
     """The fixed loss scale: `loss_scale`, or by default
@@ -419,9 +427,9 @@ class DPModel(_PrivateTraining, tf.keras.Model):
 
   Use it like `tf.keras.Model`: functional (`DPModel(inputs, outputs)`, which
   gives a `DPFunctional`) or subclassed (override `call`). Compile it with a
-  tfdpx optimizer and an unreduced loss. Functional models get the per-layer
-  rules; a subclassed model's own `call` is one unit for the vectorized
-  fallback.
+  tfdpx optimizer and an unreduced loss. Layers get their per-layer rules in
+  functional and subclassed models alike: a subclassed model whose weights
+  are in the layers it calls is opened (docs/models.md).
   """
 
   def __new__(cls, *args, **kwargs):
@@ -575,7 +583,7 @@ tf.keras.utils.get_custom_objects().update(
     {cls.__name__: cls for cls in (DPModel, DPFunctional, DPSequential)})
 
 class _Wrapped(DPModel):
-  """A subclassed model made private: its `call` is one fallback unit."""
+  """A subclassed model made private: opened as a composite layer is."""
 
   def __init__(self, model, **engine):
     super().__init__(name=model.name + '_private', **engine)
@@ -607,9 +615,11 @@ def make_private(model: tf.keras.Model, *,
   `predict` are Keras's own.
 
   Args:
-    model: a Sequential, functional or subclassed Keras model. Functional and
-      Sequential models get the per-layer rules; a subclassed model is one
-      fallback unit.
+    model: a Sequential, functional or subclassed Keras model. Each layer
+      call gets its layer's rule; subclassed layers and models whose trainable
+      weights belong to the layers they call are opened; any other layer call
+      with trainable weights is a fallback unit. `tfdpx.keras.describe(model)`
+      lists each layer's path; one warning line names the fallback layers.
     chunk_size, public_data, public_chunk_size, use_layer_rules,
       fast_clipping, release_training_metrics, physical_batch_size,
       examples_per_user, loss_scale: see `DPModel`.

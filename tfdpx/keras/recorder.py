@@ -19,6 +19,7 @@ in the batch for that layer). A variable read by several layer calls (tied
 weights) gets the sum of every call's share. See docs/per_example.md.
 """
 
+import contextlib
 import logging
 import re
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
@@ -30,7 +31,9 @@ from tfdpx import gradients
 from tfdpx import per_example
 from tfdpx.forms import materialized as materialized_forms
 from tfdpx.forms import unit as unit_lib
+from tfdpx.keras import composites
 from tfdpx.keras import layer_rules
+from tfdpx.keras import recurrent_rules  # pylint: disable=unused-import
 from tfdpx.keras.stack import keras_version
 
 _LOG = logging.getLogger(__name__)
@@ -64,9 +67,10 @@ class _FallbackCall(NamedTuple):
   """A recorded layer call without a rule.
 
   `variables` are the wanted variables it reads and its layer's trainable
-  weights; `tape` recorded the call's own ops (with those variables as its
-  only sources); `ops` are the graph ops the call created (None in eager mode);
-  `masks` are `(position, mask)` of the batched arguments (in the flat
+  weights (of a composite layer's call: those of its sublayer calls without
+  the batch axis); `tape` recorded the call's own ops (with those variables
+  among its sources); `ops` are the graph ops the call created (None in eager
+  mode); `masks` are `(position, mask)` of the batched arguments (in the flat
   arguments) that carried a Keras mask when the call began: a layer such as
   `MultiHeadAttention` reads its inputs' masks itself (Keras 3's also deletes
   them), so each example's recomputation must carry its row of them.
@@ -81,7 +85,43 @@ class _FallbackCall(NamedTuple):
   masks: List[Tuple[int, tf.Tensor]]
 
 
-class _Recorder:
+class _RuleCall(NamedTuple):
+  """A recorded layer call with a rule: its input, its tap(s) and what its
+  forward saved for its units (`layer_rules.LayerRule.forward`)."""
+  layer: tf.keras.layers.Layer
+  rule: layer_rules.LayerRule
+  inputs: tf.Tensor
+  tap: Any
+  saved: Any
+
+
+class CallPath(NamedTuple):
+  """How the engine takes one layer call (`tfdpx.keras.describe`).
+
+  Attributes:
+    layer: the layer called.
+    entry: its record: the `_RuleCall` or the `_FallbackCall`.
+    variables: the trainable variables whose per-example gradients this
+      call's unit gives.
+    rule: the layer's rule (`layer_rules.LayerRule`), or None: the fallback.
+    reason: for the fallback, why the call takes it.
+  """
+  layer: tf.keras.layers.Layer
+  entry: Any
+  variables: List[tf.Variable]
+  rule: Optional[layer_rules.LayerRule]
+  reason: Optional[str]
+
+
+class _Mark(NamedTuple):
+  """How much a recorder had recorded at some point (to roll back to it)."""
+  rule_calls: int
+  fallback_calls: int
+  unattributed: int
+  paths: int
+
+
+class Recorder:
   """Runs a model layer by layer, recording what the backward pass needs."""
 
   def __init__(self, tape: tf.GradientTape, use_rules: bool,
@@ -89,62 +129,96 @@ class _Recorder:
     self.tape = tape
     self.use_rules = use_rules
     self.wanted = {_key(v): v for v in var_list}
-    self.rule_calls = []  # (layer, rule, inputs, tap)
+    self.rule_calls = []  # _RuleCall
     self.fallback_calls = []  # _FallbackCall
     self.unattributed = []  # Wanted variables read where no unit sees it.
+    self.paths = []  # CallPath of each recorded call, rules and fallback.
+    self.batch_rows = None  # The batch's static size (None: unknown).
+    self.batch_size = None  # Its size at run time.
 
-  def run(self, model, inputs):
+  def run(self, model, inputs, training=True):
     """The model's outputs on `inputs`, computed in training mode."""
+    if self.batch_size is None:
+      first = tf.nest.flatten(inputs)[0]
+      self.batch_rows = first.shape[0]
+      self.batch_size = tf.shape(first)[0]
     if isinstance(model, tf.keras.Sequential):
       for layer in model.layers:
-        inputs = self.call(layer, (inputs,), {})
+        inputs = self.call(layer, (inputs,), {}, training=training)
       return inputs
     if keras_version.is_graph_network(model):
-      return keras_version.run_graph(model, inputs, self.call)
-    return self.call(model, (inputs,), {}, nested_run=False)
+      return keras_version.run_graph(
+          model, inputs,
+          lambda layer, args, kwargs: self.call(layer, args, kwargs,
+                                                training=training))
+    return self.call(model, (inputs,), {}, nested_run=False,
+                     training=training)
 
-  def call(self, layer, args, kwargs, nested_run=True):
-    """Calls `layer` in training mode, recording a rule tap or a fallback."""
-    if nested_run and isinstance(layer, tf.keras.Model) and (
-        keras_version.is_graph_network(layer) or
-        isinstance(layer, tf.keras.Sequential)):
-      return self.run(layer, args[0])
+  def call(self, layer, args, kwargs, nested_run=True, training=True):
+    """Calls `layer` (in training mode unless told otherwise), recording
+    rule taps and fallbacks."""
+    if nested_run and _nested_graph(layer):
+      return self.run(layer, args[0], training)
     kwargs = dict(kwargs)
     takes_training, takes_mask = keras_version.call_arguments(layer)
     if takes_training and kwargs.get('training') is None:
-      kwargs['training'] = True
+      kwargs['training'] = training
     if takes_mask and kwargs.get('mask') is None and args:
       # Explicit, so that the fallback slices the mask with the inputs.
       mask = tf.nest.map_structure(lambda t: getattr(t, '_keras_mask', None),
                                    args[0])
       if any(m is not None for m in tf.nest.flatten(mask)):
         kwargs['mask'] = mask
-    if self.use_rules and layer_rules.composite(layer):
-      return self._descend(layer, args, kwargs)
-    return self._record(layer, args, kwargs,
-                        lambda: layer(*args, **kwargs))
+    return self._dispatch(layer, args, kwargs,
+                          lambda: layer(*args, **kwargs))
 
-  def _record(self, layer, args, kwargs, run):
-    """The outputs of one layer call; records its rule tap or its fallback.
+  def _dispatch(self, layer, args, kwargs, run):
+    """Records one call: with its rule, opened (a composite) or fallback.
 
     `run()` computes the call's outputs where no rule applies.
     """
-    # A Keras 3 functional graph also holds bare operations (`x + y`).
     weights = getattr(layer, 'trainable_weights', [])
-    rule = None
-    if (self.use_rules and weights and len(args) == 1 and
-        set(kwargs) <= {'training', 'mask'}):
-      rule = layer_rules.lookup(layer, args[0])
+    if not (self.use_rules and weights):
+      reason = None if self.use_rules else 'use_layer_rules=False'
+      return self._record(layer, args, kwargs, run, None, reason)
+    rule, reason = self._rule(layer, args, kwargs)
+    if rule is not None:
+      return self._record(layer, args, kwargs, run, rule)
+    closed = composites.closed_reason(layer)
+    if closed is None:
+      return self._descend(layer, args, kwargs, run)
+    return self._record(layer, args, kwargs, run, None, reason or closed)
+
+  def _rule(self, layer, args, kwargs):
+    """`(rule, None)` for a call with a rule, else `(None, why not)`."""
+    if not layer_rules.registered(layer):
+      return None, None
+    others = sorted(k for k, v in kwargs.items()
+                    if v is not None and k not in ('training', 'mask'))
+    if len(args) != 1 or others:
+      return None, ('is called with other arguments than one input '
+                    f'({len(args)} positional, keywords {others})')
+    rule = layer_rules.lookup(layer, args[0])
+    if rule is None:
+      return None, 'its rule does not cover this configuration or input'
+    return rule, None
+
+  def _record(self, layer, args, kwargs, run, rule, reason=None):
+    """The outputs of one layer call; records its rule tap or its fallback."""
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     first_op = len(graph.get_operations()) if graph is not None else 0
     flat = tf.nest.flatten((args, kwargs))
     masks = [(i, flat[i]._keras_mask) for i in _batched_positions(args, kwargs)  # pylint: disable=protected-access
              if getattr(flat[i], '_keras_mask', None) is not None]
+    weights = getattr(layer, 'trainable_weights', [])
     # The call's own tape: which variables it reads (also another layer's,
     # e.g. tied weights) and, for a random call, its recorded ops.
+    if rule is not None and kwargs.get('mask') is not None and getattr(
+        args[0], '_keras_mask', None) is None:
+      args[0]._keras_mask = kwargs['mask']  # pylint: disable=protected-access
     with tf.GradientTape(persistent=True) as own:
       if rule is not None:
-        outputs, tap = rule.forward(layer, args[0])
+        outputs, tap, *saved = rule.forward(layer, args[0])
       else:
         outputs = run()
     read = [self.wanted[k] for k in
@@ -153,69 +227,199 @@ class _Recorder:
       self.tape.watch(tap)
       # As Keras passes masks on: only through layers that support them.
       if getattr(layer, 'supports_masking', False):
-        mask = layer.compute_mask(args[0], getattr(args[0], '_keras_mask',
-                                                   None))
-        if mask is not None:
-          outputs._keras_mask = mask  # pylint: disable=protected-access
-      self.rule_calls.append((layer, rule, args[0], tap))
+        masks = layer.compute_mask(args[0], getattr(args[0], '_keras_mask',
+                                                    None))
+        # A recurrent layer returning its states: one mask an output.
+        for output, mask in zip(tf.nest.flatten(outputs),
+                                tf.nest.flatten(masks)):
+          if mask is not None:
+            output._keras_mask = mask  # pylint: disable=protected-access
+      entry = _RuleCall(layer, rule, args[0], tap, (saved or [None])[0])
+      self.rule_calls.append(entry)
+      variables = keras_version.tf_variables(weights)
+      self.paths.append(CallPath(layer, entry, _unique(variables), rule,
+                                 None))
       # The rule's gradients cover its layer's weights and nothing else.
-      owned = {_key(v) for v in weights}
+      owned = {_key(v) for v in variables}
       self.unattributed.extend(v for v in read if _key(v) not in owned)
     elif weights or read:
       float_outputs = [t for t in tf.nest.flatten(outputs) if _is_float(t)]
       self.tape.watch(float_outputs)
       ops = graph.get_operations()[first_op:] if graph is not None else None
-      self.fallback_calls.append(_FallbackCall(
-          layer, args, kwargs, float_outputs,
-          _unique(keras_version.tf_variables(weights) +
-                  read), own, ops, masks))
+      variables = _unique(keras_version.tf_variables(weights) + read)
+      call = _FallbackCall(layer, args, kwargs, float_outputs, variables, own,
+                           ops, masks)
+      self.fallback_calls.append(call)
+      if reason is None:
+        reason = ('reads weights of another layer' if not weights else
+                  f'no rule for {type(layer).__name__}')
+      self.paths.append(CallPath(layer, call, variables, None, reason))
     return outputs
 
-  def _descend(self, layer, args, kwargs):
-    """Calls a composite layer, recording each call of a sublayer with
-    trainable weights as a layer call of its own (a rule's tap or a fallback).
+  def _mark(self) -> _Mark:
+    return _Mark(len(self.rule_calls), len(self.fallback_calls),
+                 len(self.unattributed), len(self.paths))
+
+  def _roll_back(self, mark: _Mark) -> None:
+    """Forgets what was recorded after `mark`."""
+    del self.rule_calls[mark.rule_calls:]
+    del self.fallback_calls[mark.fallback_calls:]
+    del self.unattributed[mark.unattributed:]
+    del self.paths[mark.paths:]
+
+  def _descend(self, layer, args, kwargs, run):
+    """Calls a composite layer (`tfdpx.keras.composites`), recording each
+    call of a sublayer with trainable weights as a layer call of its own.
 
     The sublayers' `call` is replaced for the duration of the layer's call:
-    the layer's own `call` runs unchanged (its masks, softmax and dropout),
-    and what reaches the weights goes through the sublayers' records.
+    the layer's own code runs unchanged (its masks, softmax and dropout), and
+    what reaches the weights goes through the sublayers' records. Where that
+    cannot give each example's share (`_opened_fault`), the whole call is one
+    fallback unit instead, and the report says why. A sublayer called on a
+    tensor without the batch axis (a position table) gets its per-example
+    gradients from a fallback unit of the whole call restricted to its
+    weights.
     """
-    units_before = len(self.rule_calls), len(self.fallback_calls)
-    replaced = [sub for sub in layer._flatten_layers(  # pylint: disable=protected-access
-        include_self=False, recursive=False) if sub.trainable_weights]
-    if any('call' in vars(sub) for sub in replaced):
-      raise ValueError(
-          f'a sublayer of layer {layer.name!r} has its own `call` attribute; '
-          'tfdpx records sublayer calls by replacing it for the call.')
-    for sub in replaced:
-      original = sub.call
-
-      @tf.autograph.experimental.do_not_convert
-      def recorded(*sub_args, _sub=sub, _original=original, **sub_kwargs):
-        return self._record(_sub, sub_args, sub_kwargs,
-                            lambda: _original(*sub_args, **sub_kwargs))
-
-      sub.call = recorded
+    mark = self._mark()
+    subs = composites.trainable_sublayers(layer)
+    # `outside` stops recording during the sublayer calls: it sees the
+    # variables the layer's own code reads.
+    outside = tf.GradientTape()
+    for sub in subs:
+      sub.call = self._recording(sub, outside)
+    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    first_op = len(graph.get_operations()) if graph is not None else 0
     try:
-      with tf.GradientTape() as own:
-        outputs = layer(*args, **kwargs)
+      with tf.GradientTape(persistent=True) as own, outside:
+        outputs = run()
     finally:
-      for sub in replaced:
-        del sub.call  # The class's method again.
-    # Weights the layer read itself, outside its sublayers' calls.
-    covered = {_key(v) for sub_layer, _, _, _ in
-               self.rule_calls[units_before[0]:]
-               for v in sub_layer.trainable_weights}
-    covered |= {_key(v) for call in self.fallback_calls[units_before[1]:]
-                for v in call.variables}
-    self.unattributed.extend(
-        self.wanted[k] for k in _unique_keys(own.watched_variables())
-        if k in self.wanted and k not in covered)
+      for sub in subs:
+        if 'call' in vars(sub):
+          del sub.call  # The class's method again.
+    fault = self._opened_fault(mark, outside, graph)
+    if fault is not None:
+      self._roll_back(mark)
+      return self._record(layer, args, kwargs, run, None, fault)
+    unbatched = self._unbatched_calls(mark)
+    if unbatched:
+      variables = _unique([v for path in unbatched for v in path.variables])
+      names = sorted({path.layer.name for path in unbatched})
+      self._forget(unbatched)
+      float_outputs = [t for t in tf.nest.flatten(outputs) if _is_float(t)]
+      self.tape.watch(float_outputs)
+      ops = graph.get_operations()[first_op:] if graph is not None else None
+      flat = tf.nest.flatten((args, kwargs))
+      masks = [(i, flat[i]._keras_mask)  # pylint: disable=protected-access
+               for i in _batched_positions(args, kwargs)
+               if getattr(flat[i], '_keras_mask', None) is not None]
+      call = _FallbackCall(layer, args, kwargs, float_outputs, variables, own,
+                           ops, masks)
+      self.fallback_calls.append(call)
+      self.paths.append(CallPath(
+          layer, call, variables, None,
+          f'calls {names} on tensors without the batch axis (a table shared '
+          'by the examples): their weights take the fallback of the whole '
+          'call'))
     return outputs
+
+  def _recording(self, sub, outside: tf.GradientTape):
+    """What replaces `sub.call` while its composite layer is called."""
+    original = sub.call
+
+    @tf.autograph.experimental.do_not_convert
+    def recorded(*args, **kwargs):
+      del sub.call  # The class's method while this call is recorded.
+      # Already stopped where another sublayer calls this one.
+      pause = (outside.stop_recording() if outside._recording  # pylint: disable=protected-access
+               else contextlib.nullcontext())
+      try:
+        with pause:
+          return self._recorded_call(sub, original, args, kwargs)
+      finally:
+        sub.call = recorded
+
+    return recorded
+
+  def _recorded_call(self, sub, original, args, kwargs):
+    """Records a sublayer's call inside its composite layer's call."""
+    if _nested_graph(sub):
+      training = kwargs.get('training')
+      return self.run(sub, args[0], True if training is None else training)
+    return self._dispatch(sub, args, kwargs, lambda: original(*args, **kwargs))
+
+  def _opened_fault(self, mark: _Mark, outside: tf.GradientTape,
+                    graph) -> Optional[str]:
+    """Why the sublayer calls recorded since `mark` do not give each
+    example's share of the gradients, or None.
+
+    `outside` recorded the composite layer's own code, not its sublayer
+    calls.
+    """
+    read = [self.wanted[k] for k in _unique_keys(outside.watched_variables())
+            if k in self.wanted]
+    read += self.unattributed[mark.unattributed:]
+    if read:
+      names = sorted({v.name for v in read})
+      return f'reads trainable weights {names} outside their layers\' calls'
+    recorded = ([t for call in self.rule_calls[mark.rule_calls:]
+                 for t in tf.nest.flatten(call.tap)] +
+                [t for call in self.fallback_calls[mark.fallback_calls:]
+                 for t in call.outputs])
+    if graph is not None and any(getattr(t, 'graph', graph) is not graph
+                                 for t in recorded):
+      names = sorted({path.layer.name for path in self.paths[mark.paths:]})
+      return (f'calls sublayers {names} inside a loop, a condition or a '
+              'function of its own')
+    return None
+
+  def _unbatched_calls(self, mark: _Mark) -> List[CallPath]:
+    """The sublayer calls recorded since `mark` whose inputs do not have the
+    batch's static first axis.
+
+    Where neither the batch's nor an input's first axis is static, their
+    sizes are compared at run time.
+    """
+    found = []
+    for path in self.paths[mark.paths:]:
+      if path.rule is not None:
+        inputs = [path.entry.inputs]
+      else:
+        flat = tf.nest.flatten((path.entry.args, path.entry.kwargs))
+        inputs = [flat[i] for i in _batched_positions(path.entry.args,
+                                                      path.entry.kwargs)]
+      if not inputs or any(t.shape[0] != self.batch_rows for t in inputs):
+        found.append(path)
+      elif self.batch_rows is None:
+        for t in inputs:
+          tf.debugging.assert_equal(
+              tf.shape(t)[0], self.batch_size, message=(
+                  f'tfdpx: layer {path.layer.name!r} is called inside a '
+                  'composite layer on a tensor whose first axis is not the '
+                  'batch (e.g. examples and positions folded into one '
+                  'axis): its rows are not examples. Keep the batch axis '
+                  'first in the calls of layers with trainable weights '
+                  '(docs/models.md)'))
+    return found
+
+  def _forget(self, paths: Sequence[CallPath]) -> None:
+    """Forgets the recorded calls of `paths`."""
+    entries = {id(path.entry) for path in paths}
+    self.rule_calls = [c for c in self.rule_calls if id(c) not in entries]
+    self.fallback_calls = [c for c in self.fallback_calls
+                           if id(c) not in entries]
+    self.paths = [p for p in self.paths if id(p.entry) not in entries]
 
   def read_outside(self, read: Sequence[tf.Variable]) -> None:
     """Notes variables read outside the layer calls (e.g. by the loss)."""
     self.unattributed.extend(self.wanted[k] for k in _unique_keys(read)
                              if k in self.wanted)
+
+
+def _nested_graph(layer) -> bool:
+  """A nested functional or Sequential model: run layer by layer."""
+  return isinstance(layer, tf.keras.Model) and (
+      keras_version.is_graph_network(layer) or
+      isinstance(layer, tf.keras.Sequential))
 
 
 def _function_names(attrs) -> List[str]:
@@ -255,7 +459,7 @@ def _draws_random_numbers(ops: Sequence[tf.Operation], library) -> bool:
   return False
 
 
-def _random_calls(calls: Sequence[_FallbackCall]) -> List[bool]:
+def random_calls(calls: Sequence[_FallbackCall]) -> List[bool]:
   """For each fallback call recorded in graph mode: does it draw randomness?"""
   library = {}
   if any(_function_names(op.node_def.attr) for call in calls
@@ -302,7 +506,7 @@ def _data_dependent_loss_layers(model, terms, inputs) -> List[str]:
 
 def _analysis(recorder, model, terms, inputs):
   """Random fallback calls and data-dependent `add_loss` layers (graph mode)."""
-  random = (_random_calls(recorder.fallback_calls)
+  random = (random_calls(recorder.fallback_calls)
             if recorder.fallback_calls else [])
   return random, _data_dependent_loss_layers(model, terms, inputs)
 
@@ -313,7 +517,7 @@ def _traced_analysis(model, inputs, use_rules, var_list):
 
   def forward(inputs):
     with tf.GradientTape(persistent=True) as tape:
-      recorder = _Recorder(tape, use_rules, var_list)
+      recorder = Recorder(tape, use_rules, var_list)
       recorder.run(model, inputs)
     found.append(_analysis(recorder, model, model.losses, inputs))
 
@@ -321,7 +525,7 @@ def _traced_analysis(model, inputs, use_rules, var_list):
   return found[0]
 
 
-def _is_recurrent_loop(layer) -> bool:
+def is_recurrent_loop(layer) -> bool:
   return isinstance(layer, tf.keras.layers.RNN) and not layer.unroll
 
 
@@ -386,7 +590,7 @@ def _example_grads(call: _FallbackCall):
     return tf.map_fn(one_example, chunk, fn_output_signature=signature)
 
   def grads_of(chunk):
-    if _is_recurrent_loop(layer):
+    if is_recurrent_loop(layer):
       return loop(chunk)  # pfor fails on the gradient of its while loop.
     rows = 2 if _one_row_batches_crash() else 1
     try:
@@ -430,14 +634,15 @@ def _batched_positions(args, kwargs) -> List[int]:
           t.shape.rank]
 
 
-def _recorded_grads(call: _FallbackCall, output_grads,
-                    chunk_size) -> List[tf.Tensor]:
+def _recorded_grads(call: _FallbackCall, output_grads, chunk_size,
+                    expected_batch_size=None) -> List[tf.Tensor]:
   """Per-example gradients of a random call, from the forward pass that ran.
 
   Recomputing the call would draw new random numbers (dropout masks), so
   each example's gradient is instead the Jacobian row of
   `sum(outputs[b] * output_grads[b])` through the recorded call: exact, but
-  one backward pass of the call over the whole batch per example.
+  one backward pass of the call over the whole batch per example, `tile`
+  rows at a time.
   """
   _LOG.warning(
       'tfdpx: layer %r draws random numbers in training (dropout, noise); its '
@@ -446,6 +651,7 @@ def _recorded_grads(call: _FallbackCall, output_grads,
       'size. Move the randomness into a separate layer (e.g. a Dropout layer '
       'before it) to keep the engine linear.', call.layer.name)
   finite = _finite_rows(output_grads)
+  tile = min(chunk_size, expected_batch_size or chunk_size)
   with call.tape:
     # An example with a non-finite output gradient must not reach the other
     # rows of the Jacobian (as 0 * NaN): zero it here, mark it below.
@@ -454,14 +660,32 @@ def _recorded_grads(call: _FallbackCall, output_grads,
             clipping.zero_rows(tf.cast(g, o.dtype), finite)),
                                  [tf.shape(o)[0], -1]), axis=1)
         for o, g in zip(call.outputs, output_grads)])
+    count = tf.shape(rows)[0]
+    chunks = (count + tile - 1) // tile
+    # Zero rows pad the batch to whole chunks of `tile` rows (by a product:
+    # pfor fails on the gradient of a concatenation's dynamic slices).
+    rows = tf.linalg.matvec(tf.eye(chunks * tile, count, dtype=rows.dtype),
+                            rows)
+  signature = [tf.TensorSpec([tile, *v.shape], v.dtype)
+               for v in call.variables]
 
   def jacobian(use_pfor):
-    return _dense(call.tape.jacobian(
-        rows, call.variables,
-        unconnected_gradients=tf.UnconnectedGradients.ZERO,
-        parallel_iterations=chunk_size, experimental_use_pfor=use_pfor))
+    # One chunk of a static `tile` rows at a time: TensorFlow's own tiling
+    # (`parallel_iterations`) fails on a batch of dynamic size that is
+    # smaller than one tile or a whole number of tiles.
+    def chunk(k):
+      with call.tape:
+        part = tf.gather(rows, k * tile + tf.range(tile))
+      return _dense(call.tape.jacobian(
+          part, call.variables,
+          unconnected_gradients=tf.UnconnectedGradients.ZERO,
+          experimental_use_pfor=use_pfor))
 
-  if _is_recurrent_loop(call.layer):
+    stacked = tf.map_fn(chunk, tf.range(chunks), fn_output_signature=signature)
+    return [tf.reshape(g, [-1, *v.shape])[:count]
+            for g, v in zip(stacked, call.variables)]
+
+  if is_recurrent_loop(call.layer):
     grads = jacobian(False)  # pfor fails on the gradient of its while loop.
   else:
     try:
@@ -491,7 +715,8 @@ def _fallback_unit(call: _FallbackCall, output_grads, chunk_size,
     return grads if loss_scale == 1 else [g / loss_scale for g in grads]
 
   if draws_random_numbers and call.outputs:
-    grads = unscaled(_recorded_grads(call, output_grads, chunk_size))
+    grads = unscaled(_recorded_grads(call, output_grads, chunk_size,
+                                     expected_batch_size))
     return materialized_forms.MaterializedUnit(
         call.variables, lambda _: grads, [], chunk_size=None)
   flat = tf.nest.flatten((call.args, call.kwargs))
@@ -523,13 +748,16 @@ def _fallback_unit(call: _FallbackCall, output_grads, chunk_size,
   return unit
 
 
+@keras_version.unconverted
 def model_gradients(model: tf.keras.Model, inputs: Any,
                     per_example_loss: Callable[[Any], tf.Tensor],
                     var_list: Sequence[tf.Variable],
                     chunk_size: int = 128,
                     use_rules: bool = True,
                     loss_scale: float = 1.0,
-                    expected_batch_size: Optional[int] = None
+                    expected_batch_size: Optional[int] = None,
+                    on_paths: Optional[Callable[[List[CallPath], List[bool]],
+                                                None]] = None
                    ) -> per_example.GradientResult:
   """The per-example gradients of a Keras model, from one batched pass.
 
@@ -558,6 +786,8 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
       (`tf.data ... .batch(B)`, Keras's numpy adapter), the forms are chosen
       as for a static batch of this size (e.g. whether a unit keeps its
       per-example gradients for the step); None: as for a large batch.
+    on_paths: called with the recorder's `CallPath`s and, for each fallback
+      call, whether it draws random numbers (`tfdpx.keras.report`).
 
   Returns:
     A `per_example.GradientResult` whose `grads` answer per-example
@@ -572,7 +802,7 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
   inputs = tf.nest.map_structure(tf.convert_to_tensor, inputs)
   var_list = keras_version.tf_variables(var_list)
   with tf.GradientTape(persistent=True) as tape:
-    recorder = _Recorder(tape, use_rules, var_list)
+    recorder = Recorder(tape, use_rules, var_list)
     # Under a scope of its own: Keras 3 opens each layer's name scope, and
     # at the root a name starting with '_' (from a class `_Layer`) is invalid.
     with tf.name_scope('tfdpx_engine'):
@@ -609,6 +839,8 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
         'regularizers); put data-dependent terms into the per-example loss.')
   if len(random) != len(recorder.fallback_calls):
     random = [True] * len(recorder.fallback_calls)  # Eager and trace differ.
+  if on_paths is not None:
+    on_paths(recorder.paths, random)
 
   regularization_grads = None
   if regularization is not None:
@@ -616,17 +848,20 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
         regularization, list(var_list),
         unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
-  taps = [tap for _, _, _, tap in recorder.rule_calls]
+  taps = [call.tap for call in recorder.rule_calls]
   fallback_outputs = [call.outputs for call in recorder.fallback_calls]
   grads = tape.gradient(total, [taps, fallback_outputs],
                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
+  def unscaled(tap_grad):
+    tap_grad = _float32(tap_grad)
+    return tap_grad / loss_scale if loss_scale != 1 else tap_grad
+
   units = [
-      unit for (layer, rule, layer_inputs, tap), tap_grad in zip(
-          recorder.rule_calls, grads[0])
-      for unit in rule.make_units(layer_rules.RuleCall(
-          layer, _float32(layer_inputs), tap,
-          _float32(tap_grad) / loss_scale if loss_scale != 1 else
-          _float32(tap_grad), tape, chunk_size, expected_batch_size))
+      unit for call, tap_grad in zip(recorder.rule_calls, grads[0])
+      for unit in call.rule.make_units(layer_rules.RuleCall(
+          call.layer, _float32(call.inputs), call.tap,
+          tf.nest.map_structure(unscaled, tap_grad), tape, chunk_size,
+          expected_batch_size, call.saved))
   ] + [
       _fallback_unit(call, out_grads, chunk_size, draws, loss_scale,
                      expected_batch_size)

@@ -228,6 +228,10 @@ def _check_writes(model, layers, inputs) -> None:
   for layer in layers:
     for variable, tf_variable in zip(
         layer.weights, tf_variables(layer.weights)):
+      if not hasattr(tf_variable, 'handle'):
+        # Keras 2's lookup layers list their vocabulary table's handler among
+        # their weights: a table, not a variable; only `adapt` writes it.
+        continue
       # A distributed variable's graph captures are its components'.
       for component in getattr(tf_variable, 'values', (tf_variable,)):
         key = id(component.handle)
