@@ -3,7 +3,10 @@
 Sizes follow the models users train with DP: tensorflow-privacy's MNIST
 tutorial CNN, an MLP, a text classifier over a large embedding, one
 transformer block, a CIFAR-10 CNN, and a BERT-mini-like encoder trained
-whole or (Keras 3) fine-tuned with LoRA.
+whole or (Keras 3) fine-tuned with LoRA. And models as users bring them:
+keras.io's "Text classification with Transformer" with its custom layers, a
+keras.io bidirectional LSTM classifier and (Keras 3) keras-hub's BERT
+classifier and GPT-2 causal language model from small configurations.
 """
 
 import numpy as np
@@ -107,6 +110,100 @@ def encoder(tokens=128, lora_rank=None):
   return model
 
 
+class TransformerBlock(L.Layer):
+  """keras.io's block, as written there: attention, a nested Sequential
+  feed-forward block, two normalizations, two dropouts."""
+
+  def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1):
+    super().__init__()
+    self.att = L.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
+    self.ffn = tf.keras.Sequential(
+        [L.Dense(ff_dim, activation='relu'), L.Dense(embed_dim)])
+    self.layernorm1 = L.LayerNormalization(epsilon=1e-6)
+    self.layernorm2 = L.LayerNormalization(epsilon=1e-6)
+    self.dropout1 = L.Dropout(rate)
+    self.dropout2 = L.Dropout(rate)
+
+  def call(self, inputs, training=None):
+    attn_output = self.dropout1(self.att(inputs, inputs), training=training)
+    out1 = self.layernorm1(inputs + attn_output)
+    ffn_output = self.dropout2(self.ffn(out1), training=training)
+    return self.layernorm2(out1 + ffn_output)
+
+
+class TokenAndPositionEmbedding(L.Layer):
+  """keras.io's embedding: tokens plus a position table on `range(maxlen)`."""
+
+  def __init__(self, maxlen, vocab_size, embed_dim):
+    super().__init__()
+    self.token_emb = L.Embedding(input_dim=vocab_size, output_dim=embed_dim)
+    self.pos_emb = L.Embedding(input_dim=maxlen, output_dim=embed_dim)
+
+  def call(self, x):
+    positions = self.pos_emb(tf.range(start=0, limit=tf.shape(x)[-1]))
+    return self.token_emb(x) + positions
+
+
+KERAS_IO_TOKENS = 200
+
+
+def keras_io_transformer(maxlen=KERAS_IO_TOKENS, vocab=VOCAB, embed_dim=32,
+                         dropout=0.1):
+  """keras.io "Text classification with Transformer" (its sizes: 200
+  tokens, Embedding(20000, 32), 2 heads, feed-forward 32)."""
+  inputs = L.Input(shape=(maxlen,))
+  x = TokenAndPositionEmbedding(maxlen, vocab, embed_dim)(inputs)
+  x = TransformerBlock(embed_dim, 2, 32, rate=dropout)(x)
+  x = L.GlobalAveragePooling1D()(x)
+  x = L.Dropout(dropout)(x)
+  x = L.Dense(20, activation='relu')(x)
+  x = L.Dropout(dropout)(x)
+  return tf.keras.Model(inputs, L.Dense(2)(x))  # Logits: the harness's loss.
+
+
+def bidirectional_lstm():
+  """keras.io "Bidirectional LSTM on IMDB": Embedding(20000, 128), two
+  Bidirectional(LSTM(64)); sequences of any length (200 tokens here)."""
+  inputs = tf.keras.Input(shape=(None,), dtype='int32')
+  x = L.Embedding(VOCAB, 128)(inputs)
+  x = L.Bidirectional(L.LSTM(64, return_sequences=True))(x)
+  x = L.Bidirectional(L.LSTM(64))(x)
+  return tf.keras.Model(inputs, L.Dense(2)(x))
+
+
+HUB_VOCAB = 30522
+
+
+def _hub_config():
+  return dict(vocabulary_size=HUB_VOCAB, num_layers=2, num_heads=2,
+              hidden_dim=128, intermediate_dim=512,
+              max_sequence_length=TOKENS)
+
+
+def hub_bert():
+  """keras-hub's BertTextClassifier from a small config, no weights."""
+  import keras_hub  # pylint: disable=g-import-not-at-top
+  backbone = keras_hub.models.BertBackbone(**_hub_config())
+  return keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=2,
+                                             preprocessor=None)
+
+
+def hub_gpt2():
+  """keras-hub's GPT2CausalLM from a small config, no weights: a loss per
+  token."""
+  import keras_hub  # pylint: disable=g-import-not-at-top
+  backbone = keras_hub.models.GPT2Backbone(**_hub_config())
+  return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+
+
+def _hub_tokens(rng, n, segments=True):
+  x = {'token_ids': rng.integers(1, HUB_VOCAB, (n, TOKENS)),
+       'padding_mask': np.ones((n, TOKENS), 'int32')}
+  if segments:
+    x['segment_ids'] = np.zeros((n, TOKENS), 'int32')
+  return x
+
+
 def cifar_cnn():
   """A CIFAR-10 CNN: four 3x3 convolutions, two Dense (0.36M parameters)."""
   return tf.keras.Sequential([
@@ -138,16 +235,29 @@ MODELS = {
                                                      (n, 128)), 2),
     'encoder_512': (lambda: encoder(512), lambda rng, n: rng.integers(
         0, ENCODER_VOCAB, (n, 512)), 2),
+    # keras.io's examples as written there: batch 32 (`--batches=32`).
+    'keras_io_transformer': (keras_io_transformer, lambda rng, n: rng.integers(
+        0, VOCAB, (n, KERAS_IO_TOKENS)), 2),
+    'bilstm': (bidirectional_lstm, lambda rng, n: rng.integers(
+        0, VOCAB, (n, KERAS_IO_TOKENS)), 2),
 }
-if KERAS_3:  # Keras 3's enable_lora.
+if KERAS_3:  # Keras 3's enable_lora; keras-hub.
   MODELS['encoder_lora'] = (lambda: encoder(lora_rank=8),
                             MODELS['encoder'][1], 2)
+  MODELS['hub_bert'] = (hub_bert, _hub_tokens, 2)
+  MODELS['hub_gpt2'] = (hub_gpt2, lambda rng, n: _hub_tokens(rng, n, False),
+                        HUB_VOCAB)
+
+# Labels of more than one entry an example: a loss per token.
+LABEL_SHAPES = {'hub_gpt2': (TOKENS,)}
 
 
 def data(model_name, rows, seed=0):
   """Random inputs and labels: speed does not depend on the values."""
   _, inputs, classes = MODELS[model_name]
   rng = np.random.default_rng(seed)
-  x = inputs(rng, rows)
-  x = x.astype('int32' if x.dtype.kind == 'i' else 'float32')
-  return x, rng.integers(0, classes, size=(rows,))
+  x = tf.nest.map_structure(
+      lambda t: t.astype('int32' if t.dtype.kind == 'i' else 'float32'),
+      inputs(rng, rows))
+  return x, rng.integers(0, classes,
+                         size=(rows,) + LABEL_SHAPES.get(model_name, ()))

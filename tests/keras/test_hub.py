@@ -58,7 +58,7 @@ def _tokens(rng, segments=True):
 MODELS = {
     'bert': (_bert, lambda rng: _tokens(rng), {'PositionEmbedding'}),
     'gpt2': (_gpt2, lambda rng: _tokens(rng, segments=False),
-             {'PositionEmbedding', 'ReversibleEmbedding'}),
+             {'PositionEmbedding'}),
     'vit': (_vit, lambda rng: rng.normal(size=(BATCH, 8, 8, 3)).astype(
         'float32'), {'ViTPatchingAndEmbedding'}),
 }

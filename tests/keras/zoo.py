@@ -12,6 +12,9 @@ from typing import Callable, Dict, FrozenSet, NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from benchmarks.models import TokenAndPositionEmbedding
+from benchmarks.models import TransformerBlock
+
 L = tf.keras.layers
 BATCH = 5
 
@@ -43,40 +46,7 @@ def _floats(*shape):
 
 
 # --- keras.io "Text classification with Transformer" ------------------------
-
-
-class TransformerBlock(L.Layer):
-  """Attention, a nested Sequential feed-forward block, two normalizations."""
-
-  def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1):
-    super().__init__()
-    self.att = L.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
-    self.ffn = tf.keras.Sequential(
-        [L.Dense(ff_dim, activation='relu'), L.Dense(embed_dim)])
-    self.layernorm1 = L.LayerNormalization(epsilon=1e-6)
-    self.layernorm2 = L.LayerNormalization(epsilon=1e-6)
-    self.dropout1 = L.Dropout(rate)
-    self.dropout2 = L.Dropout(rate)
-
-  def call(self, inputs, training=None):
-    attn_output = self.att(inputs, inputs)
-    attn_output = self.dropout1(attn_output, training=training)
-    out1 = self.layernorm1(inputs + attn_output)
-    ffn_output = self.dropout2(self.ffn(out1), training=training)
-    return self.layernorm2(out1 + ffn_output)
-
-
-class TokenAndPositionEmbedding(L.Layer):
-  """Token embeddings plus a position table called on `range(maxlen)`."""
-
-  def __init__(self, maxlen, vocab_size, embed_dim):
-    super().__init__()
-    self.token_emb = L.Embedding(input_dim=vocab_size, output_dim=embed_dim)
-    self.pos_emb = L.Embedding(input_dim=maxlen, output_dim=embed_dim)
-
-  def call(self, x):
-    positions = self.pos_emb(tf.range(start=0, limit=tf.shape(x)[-1]))
-    return self.token_emb(x) + positions
+# (its layers in benchmarks/models.py, which times the example at its size)
 
 
 def text_transformer(dropout, maxlen=8, vocab=50):

@@ -83,6 +83,9 @@ class LayerRule:
       when given.
     form: how the rule's statistics are formed, in a few words, for
       `tfdpx.keras.describe`.
+    keywords: keyword arguments of the layer's call that the rule takes
+      (`forward(layer, inputs, **keywords)`); a call with any other
+      (not None) keyword takes the fallback.
   """
   forward: Callable[[tf.keras.layers.Layer, tf.Tensor],
                     Tuple[tf.Tensor, tf.Tensor]]
@@ -93,6 +96,7 @@ class LayerRule:
   unit: Optional[Callable[[RuleCall], Union[unit_lib.Unit,
                                             List[unit_lib.Unit]]]] = None
   form: str = 'rule: per-example gradients formed in chunks'
+  keywords: Tuple[str, ...] = ()
 
   def __post_init__(self):
     if self.grads is None and self.unit is None:
@@ -130,14 +134,20 @@ def register(layer_class: type, rule: LayerRule) -> None:
   _RULES[layer_class] = rule
 
 
-def registered(layer: tf.keras.layers.Layer) -> bool:
-  """Whether a rule is registered for `layer`'s exact class."""
-  return type(layer) in _RULES
+# Rules of classes tfdpx does not import, by module and name.
+_NAMED_RULES: Dict[str, LayerRule] = {}
+
+
+def registered(layer: tf.keras.layers.Layer) -> Optional[LayerRule]:
+  """The rule registered for `layer`'s exact class, or None."""
+  cls = type(layer)
+  return _RULES.get(cls) or _NAMED_RULES.get(
+      f'{cls.__module__}.{cls.__qualname__}')
 
 
 def lookup(layer: tf.keras.layers.Layer, inputs) -> Optional[LayerRule]:
   """The rule for calling `layer` on `inputs`, or None (use the fallback)."""
-  rule = _RULES.get(type(layer))
+  rule = registered(layer)
   if (rule is None or not layer.built or not isinstance(inputs, tf.Tensor) or
       not rule.supports(layer, inputs)):
     return None
@@ -532,6 +542,39 @@ def _embedding_supports(layer, inputs):
               getattr(layer, 'lora_enabled', False))
 
 
+def _reversible_forward(layer, inputs, reverse=False):
+  """A ReversibleEmbedding's lookup, or (`reverse`) its tied output logits
+  `h E^T`, whose tap is the logits before any soft cap."""
+  if not reverse:
+    outputs = layer(inputs)
+    return outputs, outputs, False
+  dtype = layer.compute_dtype
+  logits = tf.matmul(tf.cast(inputs, dtype), tf.cast(layer.embeddings, dtype),
+                     transpose_b=True)
+  outputs = logits
+  if layer.logit_soft_cap is not None:
+    cap = layer.logit_soft_cap
+    outputs = tf.tanh(logits / cap) * cap
+  return outputs, logits, True
+
+
+def _reversible_supports(layer, inputs):
+  # Untied output embeddings (a kernel of their own) take the fallback.
+  return (_embedding_supports(layer, inputs) and layer.tie_weights and
+          getattr(layer, 'reverse_dtype', None) is None)
+
+
+def _reversible_unit(call: RuleCall) -> unit_lib.Unit:
+  if not call.saved:
+    return _embedding_unit(call)
+  # The logits' kernel is E^T: its gradient `A_i^T D_i` transposed is
+  # `D_i^T A_i`, a product with the roles of the input and the tap's
+  # gradient exchanged.
+  return dense_forms.ProductUnit(
+      call.layer.embeddings, None, lambda elems: _sequence_rows(elems[0]),
+      [call.tap_grad], _sequence_rows(call.inputs), call.chunk_size)
+
+
 # --- LayerNormalization / GroupNormalization ---------------------------------
 
 
@@ -617,6 +660,15 @@ register(tf.keras.layers.Embedding,
                    unit=_embedding_unit,
                    form='segment sums over the ids present '
                    '(tfdpx.forms.embedding)'))
+_REVERSIBLE = LayerRule(
+    _reversible_forward, supports=_reversible_supports, unit=_reversible_unit,
+    form='segment sums over the ids present, or (reverse) ' + _PRODUCT,
+    keywords=('reverse',))
+if hasattr(tf.keras.layers, 'ReversibleEmbedding'):  # Keras 3.
+  register(tf.keras.layers.ReversibleEmbedding, _REVERSIBLE)
+# keras-hub's subclass of it.
+_NAMED_RULES['keras_hub.src.layers.modeling.reversible_embedding.'
+             'ReversibleEmbedding'] = _REVERSIBLE
 register(tf.keras.layers.LayerNormalization,
          LayerRule(_called_normally, _layer_norm_grads, _layer_norm_supports,
                    form=_SMALL))

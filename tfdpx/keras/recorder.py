@@ -191,10 +191,11 @@ class Recorder:
 
   def _rule(self, layer, args, kwargs):
     """`(rule, None)` for a call with a rule, else `(None, why not)`."""
-    if not layer_rules.registered(layer):
+    rule = layer_rules.registered(layer)
+    if rule is None:
       return None, None
-    others = sorted(k for k, v in kwargs.items()
-                    if v is not None and k not in ('training', 'mask'))
+    others = sorted(k for k, v in kwargs.items() if v is not None and
+                    k not in ('training', 'mask') + rule.keywords)
     if len(args) != 1 or others:
       return None, ('is called with other arguments than one input '
                     f'({len(args)} positional, keywords {others})')
@@ -218,7 +219,8 @@ class Recorder:
       args[0]._keras_mask = kwargs['mask']  # pylint: disable=protected-access
     with tf.GradientTape(persistent=True) as own:
       if rule is not None:
-        outputs, tap, *saved = rule.forward(layer, args[0])
+        keywords = {k: kwargs[k] for k in rule.keywords if k in kwargs}
+        outputs, tap, *saved = rule.forward(layer, args[0], **keywords)
       else:
         outputs = run()
     read = [self.wanted[k] for k in
