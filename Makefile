@@ -54,7 +54,8 @@ test-keras2: $(STAMP)
 ONEDNN_OFF_TESTS := tests/test_per_example.py tests/test_engine_equivalence.py \
   tests/keras/test_pipelines.py::test_strided_convolutions_train_from_a_dataset_of_unknown_batch_size \
   tests/keras/test_pipelines.py::test_strided_convolution_statistics_equal_single_example_tapes \
-  tests/keras/test_models.py
+  tests/keras/test_models.py \
+  tests/keras/test_zoo.py::test_statistics_equal_single_example_tapes
 
 test-onednn-off: $(STAMP)
 	TF_ENABLE_ONEDNN_OPTS=0 $(PY) -m pytest -m "not slow" -q -n 2 $(ONEDNN_OFF_TESTS)
