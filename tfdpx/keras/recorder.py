@@ -206,17 +206,14 @@ class Recorder:
 
   def _record(self, layer, args, kwargs, run, rule, reason=None):
     """The outputs of one layer call; records its rule tap or its fallback."""
-    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-    first_op = len(graph.get_operations()) if graph is not None else 0
-    flat = tf.nest.flatten((args, kwargs))
-    masks = [(i, flat[i]._keras_mask) for i in _batched_positions(args, kwargs)  # pylint: disable=protected-access
-             if getattr(flat[i], '_keras_mask', None) is not None]
+    start = _GraphPosition()
+    masks = _input_masks(args, kwargs)
     weights = getattr(layer, 'trainable_weights', [])
-    # The call's own tape: which variables it reads (also another layer's,
-    # e.g. tied weights) and, for a random call, its recorded ops.
     if rule is not None and kwargs.get('mask') is not None and getattr(
         args[0], '_keras_mask', None) is None:
       args[0]._keras_mask = kwargs['mask']  # pylint: disable=protected-access
+    # The call's own tape: which variables it reads (also another layer's,
+    # e.g. tied weights) and, for a random call, its recorded ops.
     with tf.GradientTape(persistent=True) as own:
       if rule is not None:
         keywords = {k: kwargs[k] for k in rule.keywords if k in kwargs}
@@ -229,11 +226,11 @@ class Recorder:
       self.tape.watch(tap)
       # As Keras passes masks on: only through layers that support them.
       if getattr(layer, 'supports_masking', False):
-        masks = layer.compute_mask(args[0], getattr(args[0], '_keras_mask',
-                                                    None))
+        output_masks = layer.compute_mask(
+            args[0], getattr(args[0], '_keras_mask', None))
         # A recurrent layer returning its states: one mask an output.
         for output, mask in zip(tf.nest.flatten(outputs),
-                                tf.nest.flatten(masks)):
+                                tf.nest.flatten(output_masks)):
           if mask is not None:
             output._keras_mask = mask  # pylint: disable=protected-access
       entry = _RuleCall(layer, rule, args[0], tap, (saved or [None])[0])
@@ -245,18 +242,20 @@ class Recorder:
       owned = {_key(v) for v in variables}
       self.unattributed.extend(v for v in read if _key(v) not in owned)
     elif weights or read:
-      float_outputs = [t for t in tf.nest.flatten(outputs) if _is_float(t)]
-      self.tape.watch(float_outputs)
-      ops = graph.get_operations()[first_op:] if graph is not None else None
-      variables = _unique(keras_version.tf_variables(weights) + read)
-      call = _FallbackCall(layer, args, kwargs, float_outputs, variables, own,
-                           ops, masks)
-      self.fallback_calls.append(call)
       if reason is None:
         reason = ('reads weights of another layer' if not weights else
                   f'no rule for {type(layer).__name__}')
-      self.paths.append(CallPath(layer, call, variables, None, reason))
+      self._add_fallback(
+          _FallbackCall(layer, args, kwargs, _floats(outputs),
+                        _unique(keras_version.tf_variables(weights) + read),
+                        own, start.ops_since(), masks), reason)
     return outputs
+
+  def _add_fallback(self, call: _FallbackCall, reason: str) -> None:
+    self.tape.watch(call.outputs)
+    self.fallback_calls.append(call)
+    self.paths.append(CallPath(call.layer, call, call.variables, None,
+                               reason))
 
   def _mark(self) -> _Mark:
     return _Mark(len(self.rule_calls), len(self.fallback_calls),
@@ -289,8 +288,8 @@ class Recorder:
     outside = tf.GradientTape()
     for sub in subs:
       sub.call = self._recording(sub, outside)
-    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-    first_op = len(graph.get_operations()) if graph is not None else 0
+    start = _GraphPosition()
+    masks = _input_masks(args, kwargs)
     try:
       with tf.GradientTape(persistent=True) as own, outside:
         outputs = run()
@@ -298,7 +297,7 @@ class Recorder:
       for sub in subs:
         if 'call' in vars(sub):
           del sub.call  # The class's method again.
-    fault = self._opened_fault(mark, outside, graph)
+    fault = self._opened_fault(mark, outside, start.graph)
     if fault is not None:
       self._roll_back(mark)
       return self._record(layer, args, kwargs, run, None, fault)
@@ -307,21 +306,12 @@ class Recorder:
       variables = _unique([v for path in unbatched for v in path.variables])
       names = sorted({path.layer.name for path in unbatched})
       self._forget(unbatched)
-      float_outputs = [t for t in tf.nest.flatten(outputs) if _is_float(t)]
-      self.tape.watch(float_outputs)
-      ops = graph.get_operations()[first_op:] if graph is not None else None
-      flat = tf.nest.flatten((args, kwargs))
-      masks = [(i, flat[i]._keras_mask)  # pylint: disable=protected-access
-               for i in _batched_positions(args, kwargs)
-               if getattr(flat[i], '_keras_mask', None) is not None]
-      call = _FallbackCall(layer, args, kwargs, float_outputs, variables, own,
-                           ops, masks)
-      self.fallback_calls.append(call)
-      self.paths.append(CallPath(
-          layer, call, variables, None,
+      self._add_fallback(
+          _FallbackCall(layer, args, kwargs, _floats(outputs), variables, own,
+                        start.ops_since(), masks),
           f'calls {names} on tensors without the batch axis (a table shared '
           'by the examples): their weights take the fallback of the whole '
-          'call'))
+          'call')
     return outputs
 
   def _recording(self, sub, outside: tf.GradientTape):
@@ -415,6 +405,34 @@ class Recorder:
     """Notes variables read outside the layer calls (e.g. by the loss)."""
     self.unattributed.extend(self.wanted[k] for k in _unique_keys(read)
                              if k in self.wanted)
+
+
+class _GraphPosition:
+  """The graph being built (None in eager mode) and its ops so far."""
+
+  def __init__(self):
+    self.graph = (None if tf.executing_eagerly() else
+                  tf.compat.v1.get_default_graph())
+    self._first = (len(self.graph.get_operations()) if self.graph is not None
+                   else 0)
+
+  def ops_since(self) -> Optional[List[tf.Operation]]:
+    """The ops created since (None in eager mode)."""
+    if self.graph is None:
+      return None
+    return self.graph.get_operations()[self._first:]
+
+
+def _input_masks(args, kwargs) -> List[Tuple[int, tf.Tensor]]:
+  """`(position, mask)` of the call's batched arguments that carry a Keras
+  mask (before the call: Keras 3's MultiHeadAttention deletes them)."""
+  flat = tf.nest.flatten((args, kwargs))
+  return [(i, flat[i]._keras_mask) for i in _batched_positions(args, kwargs)  # pylint: disable=protected-access
+          if getattr(flat[i], '_keras_mask', None) is not None]
+
+
+def _floats(outputs) -> List[tf.Tensor]:
+  return [t for t in tf.nest.flatten(outputs) if _is_float(t)]
 
 
 def _nested_graph(layer) -> bool:
