@@ -1014,3 +1014,35 @@ def test_microbatch_means_average_the_examples_of_each_microbatch():
   means = per_example.microbatch_means(grads, 2)
   np.testing.assert_allclose(means[0].numpy(), [[1.0, 2.0], [5.0, 6.0]])
   assert per_example.microbatch_means(grads, None)[0] is grads[0]
+
+
+class Folded(L.Layer):
+  """Folds positions into the first axis before its Dense layer: the Dense
+  call's rows are (example, position) pairs, not examples."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.dense = L.Dense(3)
+
+  def call(self, inputs):
+    rows = self.dense(tf.reshape(inputs, [-1, 2]))
+    return tf.reshape(rows, [tf.shape(inputs)[0], 12])
+
+
+def _folded():
+  inputs = tf.keras.Input((4, 2))
+  return tf.keras.Model(inputs, L.Dense(2)(Folded(name='folded')(inputs)))
+
+
+def test_a_composite_folding_the_batch_axis_is_one_unit_or_stops():
+  tf.keras.utils.set_random_seed(1)
+  model = _folded()
+  x = np.random.default_rng(0).normal(size=(BATCH, 4, 2)).astype('float32')
+  # A static batch: the folded call's rows are seen not to be the examples;
+  # the whole layer is one (exact) fallback unit.
+  _check_against_the_loop_of(model, x)
+  # The batch size unknown when traced: the step stops, naming the layer,
+  # rather than clip (example, position) pairs one by one.
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match='tfdpx_rows_of_dense.*_are_not_the_examples'):
+    _check_against_the_loop_of(model, x, unknown_batch=True)

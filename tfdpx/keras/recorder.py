@@ -133,6 +133,9 @@ class Recorder:
     self.fallback_calls = []  # _FallbackCall
     self.unattributed = []  # Wanted variables read where no unit sees it.
     self.paths = []  # CallPath of each recorded call, rules and fallback.
+    # id(entry) -> zero from an op that fails at run time unless the rows of
+    # that sublayer call are the examples; its unit reads it.
+    self.row_checks = {}
     self.batch_rows = None  # The batch's static size (None: unknown).
     self.batch_size = None  # Its size at run time.
 
@@ -382,15 +385,9 @@ class Recorder:
       if not inputs or any(t.shape[0] != self.batch_rows for t in inputs):
         found.append(path)
       elif self.batch_rows is None:
-        for t in inputs:
-          tf.debugging.assert_equal(
-              tf.shape(t)[0], self.batch_size, message=(
-                  f'tfdpx: layer {path.layer.name!r} is called inside a '
-                  'composite layer on a tensor whose first axis is not the '
-                  'batch (e.g. examples and positions folded into one '
-                  'axis): its rows are not examples. Keep the batch axis '
-                  'first in the calls of layers with trainable weights '
-                  '(docs/models.md)'))
+        self.row_checks[id(path.entry)] = tf.add_n(
+            [_rows_check(t, self.batch_size, path.layer.name)
+             for t in inputs])
     return found
 
   def _forget(self, paths: Sequence[CallPath]) -> None:
@@ -429,6 +426,23 @@ def _input_masks(args, kwargs) -> List[Tuple[int, tf.Tensor]]:
   flat = tf.nest.flatten((args, kwargs))
   return [(i, flat[i]._keras_mask) for i in _batched_positions(args, kwargs)  # pylint: disable=protected-access
           if getattr(flat[i], '_keras_mask', None) is not None]
+
+
+def _rows_check(tensor: tf.Tensor, batch_size: tf.Tensor,
+                layer_name: str) -> tf.Tensor:
+  """Zero, from an op that fails unless `tensor` has `batch_size` rows.
+
+  A composite layer that folds other axes into the first one (examples and
+  positions, `tf.reshape(x, [-1, d])`) before calling a sublayer would make
+  that call's rows other than the examples. The error names the op, and so
+  the layer. No string constant (an `Assert`'s message has no GPU kernel).
+  """
+  name = re.sub(r'[^A-Za-z0-9_.-]', '_',
+                f'tfdpx_rows_of_{layer_name}_are_not_the_examples_keep_the_'
+                'batch_axis_first_docs_models_md')
+  return tf.reduce_sum(tf.concat([tf.zeros([tf.shape(tensor)[0], 1]),
+                                  tf.zeros([batch_size, 1])], axis=1,
+                                 name=name))
 
 
 def _floats(outputs) -> List[tf.Tensor]:
@@ -876,15 +890,24 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
     tap_grad = _float32(tap_grad)
     return tap_grad / loss_scale if loss_scale != 1 else tap_grad
 
+  def checked(call, tensors):
+    """`tensors` the unit reads, plus the zero of the call's rows check (so
+    that the check runs before any statistic of the call)."""
+    check = recorder.row_checks.get(id(call))
+    if check is None:
+      return tensors
+    return tf.nest.map_structure(lambda t: t + tf.cast(check, t.dtype),
+                                 tensors)
+
   units = [
       unit for call, tap_grad in zip(recorder.rule_calls, grads[0])
       for unit in call.rule.make_units(layer_rules.RuleCall(
           call.layer, _float32(call.inputs), call.tap,
-          tf.nest.map_structure(unscaled, tap_grad), tape, chunk_size,
-          expected_batch_size, call.saved))
+          checked(call, tf.nest.map_structure(unscaled, tap_grad)), tape,
+          chunk_size, expected_batch_size, call.saved))
   ] + [
-      _fallback_unit(call, out_grads, chunk_size, draws, loss_scale,
-                     expected_batch_size)
+      _fallback_unit(call, checked(call, out_grads), chunk_size, draws,
+                     loss_scale, expected_batch_size)
       for call, out_grads, draws in zip(recorder.fallback_calls, grads[1],
                                         random)
   ]

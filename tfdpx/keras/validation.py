@@ -228,7 +228,7 @@ def _check_writes(model, layers, inputs) -> None:
   for layer in layers:
     for variable, tf_variable in zip(
         layer.weights, tf_variables(layer.weights)):
-      if not hasattr(tf_variable, 'handle'):
+      if not isinstance(tf_variable, tf.Variable):
         # Keras 2's lookup layers list their vocabulary table's handler among
         # their weights: a table, not a variable; only `adapt` writes it.
         continue
