@@ -493,7 +493,7 @@ def _draws_random_numbers(ops: Sequence[tf.Operation], library) -> bool:
   return False
 
 
-def random_calls(calls: Sequence[_FallbackCall]) -> List[bool]:
+def _random_calls(calls: Sequence[_FallbackCall]) -> List[bool]:
   """For each fallback call recorded in graph mode: does it draw randomness?"""
   library = {}
   if any(_function_names(op.node_def.attr) for call in calls
@@ -540,20 +540,23 @@ def _data_dependent_loss_layers(model, terms, inputs) -> List[str]:
 
 def _analysis(recorder, model, terms, inputs):
   """Random fallback calls and data-dependent `add_loss` layers (graph mode)."""
-  random = (random_calls(recorder.fallback_calls)
+  random = (_random_calls(recorder.fallback_calls)
             if recorder.fallback_calls else [])
   return random, _data_dependent_loss_layers(model, terms, inputs)
 
 
-def _traced_analysis(model, inputs, use_rules, var_list):
-  """`_analysis` in eager mode, from a trace of the same forward pass."""
+def traced(model, inputs, use_rules, var_list):
+  """`(paths, *_analysis)` of a trace of one forward pass on `inputs` (a
+  batch, or specs): for an eager step, and for `tfdpx.keras.describe`."""
   found = []
 
+  @keras_version.unconverted
   def forward(inputs):
     with tf.GradientTape(persistent=True) as tape:
       recorder = Recorder(tape, use_rules, var_list)
       recorder.run(model, inputs)
-    found.append(_analysis(recorder, model, model.losses, inputs))
+    found.append((recorder.paths,
+                  *_analysis(recorder, model, model.losses, inputs)))
 
   tf.function(forward).get_concrete_function(inputs)
   return found[0]
@@ -860,7 +863,7 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
         'custom layer that receives the variable), or train without '
         'make_private.')
   if tf.executing_eagerly() and (terms or recorder.fallback_calls):
-    random, dependent = _traced_analysis(model, inputs, use_rules, var_list)
+    _, random, dependent = traced(model, inputs, use_rules, var_list)
   else:
     random, dependent = _analysis(recorder, model, terms, inputs)
   if dependent:

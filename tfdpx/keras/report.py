@@ -193,20 +193,9 @@ def describe(model: tf.keras.Model, inputs: Any = None, *,
   Raises:
     ValueError: for a subclassed model without `inputs`.
   """
-  specs = _specs(model, inputs)
-  var_list = keras_version.tf_variables(model.trainable_variables)
-  found = []
-
-  @keras_version.unconverted
-  def forward(x):
-    with tf.GradientTape(persistent=True) as tape:
-      recorder = recorder_lib.Recorder(tape, use_layer_rules, var_list)
-      recorder.run(model, x)
-    found.append((recorder.paths,
-                  recorder_lib.random_calls(recorder.fallback_calls)))
-
-  tf.function(forward).get_concrete_function(specs)
-  paths, random = found[0]
+  paths, random, _ = recorder_lib.traced(
+      model, _specs(model, inputs), use_layer_rules,
+      keras_version.tf_variables(model.trainable_variables))
   return report_of(model, paths, random)
 
 
