@@ -48,10 +48,14 @@ class Privatizer(abc.ABC):
   Attributes:
     name: registry key used by `serialize` / `deserialize`.
     requires_public_grads: True when `update` needs `public_grads`.
+    releases_rows: True when its release holds `tf.IndexedSlices` (the
+      selected rows of embedding tables): one physical batch and one replica
+      a step.
   """
 
   name: str = ''
   requires_public_grads: bool = False
+  releases_rows: bool = False
 
   def init(self, params: Sequence[tf.Variable]) -> State:
     """Returns the initial state for the trainable variables `params`."""
@@ -206,6 +210,10 @@ class Wrapper(Privatizer):
   @property
   def requires_public_grads(self) -> bool:
     return self._inner.requires_public_grads
+
+  @property
+  def releases_rows(self) -> bool:
+    return self._inner.releases_rows
 
   @property
   def noise_multiplier(self) -> float:

@@ -24,7 +24,8 @@ all-reduce them with `tfdpx.noise.replica_sum` under `tf.distribute`.
 """
 
 import abc
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import (Callable, List, NamedTuple, Optional, Sequence, Tuple,
+                    Union)
 
 import tensorflow as tf
 
@@ -130,6 +131,13 @@ class PerExampleGradients(abc.ABC):
   def materialized(self) -> List[tf.Tensor]:
     """`g_iv` itself: one `[B, *shape]` tensor per variable (escape hatch)."""
 
+  def weighted_sum_of(self, weights: tf.Tensor,
+                      wanted: Sequence[bool]) -> List[Optional[tf.Tensor]]:
+    """`weighted_sum` of the variables `wanted` only (None for the others),
+    without the work of the others where the engine can skip it."""
+    return [s if w else None
+            for s, w in zip(self.weighted_sum(weights), wanted)]
+
   def weighted_sums(self, weights: tf.Tensor,
                     rows: Rows = None) -> List[Optional[tf.Tensor]]:
     """`sum_i w_ic g_iv` for each column c of `weights` (float32 `[B, K]`).
@@ -183,6 +191,44 @@ class PerExampleGradients(abc.ABC):
     """The gradients `m_v * g_iv`, for data-independent masks `m_v`."""
     return MaskedGradients(self, masks)
 
+  # --- row-gathered variables (embedding tables) -----------------------------
+
+  def row_gathered(self) -> List[bool]:
+    """Per variable, whether its gradients are answered by rows: a table
+    read by one lookup, whose example `i` has a gradient on the rows it
+    touches only (`rows_touched`, `row_counts`, `row_sums`). Default: none."""
+    return [False] * len(self.shapes)
+
+  def rows_touched(self) -> List[Optional[tf.Tensor]]:
+    """Per row-gathered variable, int32 `[B]`: how many distinct rows each
+    example touches (0 for a dropped example); None for the others."""
+    raise NotImplementedError(f'{type(self).__name__} has no row forms')
+
+  def row_counts(self, weights: tf.Tensor) -> List[Optional['RowCounts']]:
+    """Per row-gathered variable, the rows this batch touches and, for each,
+    the sum of `weights` (float32 `[B]`) over the examples touching it;
+    None for the others."""
+    raise NotImplementedError(f'{type(self).__name__} has no row forms')
+
+  def row_sums(self, weights: tf.Tensor) -> List[Optional[tf.Tensor]]:
+    """Per row-gathered variable, `sum_i w_i g_iv[r]` for the rows `r` of
+    `row_counts` (`[N, *shape[1:]]`, zero in padding slots): the weighted
+    sum without the untouched rows. None for the others."""
+    raise NotImplementedError(f'{type(self).__name__} has no row forms')
+
+
+class RowCounts(NamedTuple):
+  """The rows of a table one batch touches, and a weighted count of each.
+
+  Attributes:
+    rows: int32 `[N]`, the distinct rows touched, ascending; slots past
+      their number hold the table's row count (a sentinel past every row).
+    counts: float32 `[N]`, per row the sum of the weights of the examples
+      touching it (0 in the sentinel slots).
+  """
+  rows: tf.Tensor
+  counts: tf.Tensor
+
 
 def _rows_of_sums(sums: Sequence[tf.Tensor],
                   rows: Rows) -> List[Optional[tf.Tensor]]:
@@ -201,19 +247,26 @@ class MaterializedGradients(PerExampleGradients):
   """Statistics of explicitly given `[B, *var.shape]` tensors."""
 
   def __init__(self, per_example_grads: Sequence[tf.Tensor],
-               cross_gram_forms: Optional[Sequence[bool]] = None):
+               cross_gram_forms: Optional[Sequence[bool]] = None,
+               row_gathered: Optional[Sequence[bool]] = None):
     """Args:
       per_example_grads: one `[B, *var.shape]` tensor per variable.
       cross_gram_forms: per variable, whether `cross_grams` with other
         materialized gradients answers for it (default: all). Tests set it to
         another value's `cross_gram_forms`, so that a privatizer that chooses
         between forms takes the same one on both.
+      row_gathered: per variable (of rank 2 or more), whether to answer the
+        row forms for it, an example touching the rows where its gradient is
+        not zero: the dense reference of an embedding table's row forms.
+        Default: none.
     """
     self._grads = [tf.convert_to_tensor(g) for g in per_example_grads]
     if not self._grads:
       raise ValueError('per_example_grads is empty')
     self._forms = ([True] * len(self._grads) if cross_gram_forms is None
                    else [bool(f) for f in cross_gram_forms])
+    self._row_gathered = ([False] * len(self._grads) if row_gathered is None
+                          else [bool(r) for r in row_gathered])
 
   @property
   def shapes(self):
@@ -262,6 +315,41 @@ class MaterializedGradients(PerExampleGradients):
 
   def materialized(self):
     return list(self._grads)
+
+  def row_gathered(self):
+    return list(self._row_gathered)
+
+  def _touched(self, g: tf.Tensor) -> tf.Tensor:
+    """`[B, rows]` bool: where example `i`'s gradient on a row is not zero."""
+    rows = tf.reshape(g, tf.concat([tf.shape(g)[:2], [-1]], 0))
+    return tf.reduce_any(tf.not_equal(rows, 0), axis=2)
+
+  def _rows(self, touched: tf.Tensor) -> tf.Tensor:
+    """The distinct rows any example touches, ascending (no sentinels)."""
+    return tf.cast(tf.where(tf.reduce_any(touched, axis=0))[:, 0], tf.int32)
+
+  def rows_touched(self):
+    return [tf.reduce_sum(tf.cast(self._touched(g), tf.int32), axis=1)
+            if gathered else None
+            for g, gathered in zip(self._grads, self._row_gathered)]
+
+  def row_counts(self, weights):
+    out = []
+    for g, gathered in zip(self._grads, self._row_gathered):
+      if not gathered:
+        out.append(None)
+        continue
+      touched = self._touched(g)
+      rows = self._rows(touched)
+      counts = tf.tensordot(tf.cast(weights, tf.float32),
+                            tf.cast(touched, tf.float32), axes=1)
+      out.append(RowCounts(rows, tf.gather(counts, rows)))
+    return out
+
+  def row_sums(self, weights):
+    return [tf.gather(tf.tensordot(tf.cast(weights, g.dtype), g, axes=1),
+                      self._rows(self._touched(g))) if gathered else None
+            for g, gathered in zip(self._grads, self._row_gathered)]
 
   def cross_gram_forms(self, other):
     if not isinstance(other, MaterializedGradients):
@@ -375,6 +463,21 @@ class ScaledGradients(GradientsView):
     return [g * tf.cast(self._scale, g.dtype)
             for g in self._grads.materialized()]
 
+  def row_gathered(self):
+    return self._grads.row_gathered()
+
+  def rows_touched(self):
+    return self._grads.rows_touched()
+
+  def row_counts(self, weights):
+    return self._grads.row_counts(weights)
+
+  def row_sums(self, weights):
+    return self._grads.row_sums(weights * self._scale)
+
+  def weighted_sum_of(self, weights, wanted):
+    return self._grads.weighted_sum_of(weights * self._scale, wanted)
+
 
 def as_per_example_gradients(
     grads: Union[PerExampleGradients, Sequence[tf.Tensor]]
@@ -442,3 +545,18 @@ class Deferred(PerExampleGradients):
 
   def masked(self, masks):
     return Deferred(lambda: self.get().masked(masks))
+
+  def row_gathered(self):
+    return self.get().row_gathered()
+
+  def rows_touched(self):
+    return self.get().rows_touched()
+
+  def row_counts(self, weights):
+    return self.get().row_counts(weights)
+
+  def row_sums(self, weights):
+    return self.get().row_sums(weights)
+
+  def weighted_sum_of(self, weights, wanted):
+    return self.get().weighted_sum_of(weights, wanted)

@@ -278,3 +278,47 @@ def add_gaussian(sums: Sequence[tf.Tensor], l2_norm_clip, noise_multiplier,
   stddev = tf.math.multiply_no_nan(_float64(l2_norm_clip),
                                    _float64(noise_multiplier))
   return [s + n for s, n in zip(sums, gaussian_like(sums, stddev, seed))]
+
+
+def bernoulli_positions(size: int, rate: float, seed: tf.Tensor) -> tf.Tensor:
+  """The positions `j < size` of a Bernoulli(`rate`) process, ascending.
+
+  Each position is in the result independently with probability `rate`,
+  but the cost grows with the number drawn, `size * rate` on average, not
+  with `size`: the gaps between positions are geometric, `floor(log u /
+  log(1 - rate)) + 1` for a 53-bit uniform `u` (`P(gap > k) = P(u <= (1 -
+  rate)^k) = (1 - rate)^k`), drawn a chunk at a time until past `size`.
+  Not under XLA (the number drawn is random).
+
+  Args:
+    size: the number of positions, a Python int.
+    rate: the probability of each, a Python float in [0, 1).
+    seed: int64 `[2]` seed of this draw.
+
+  Returns:
+    int32 `[n]`, ascending.
+  """
+  if rate == 0 or size == 0:
+    return tf.zeros([0], tf.int32)
+  mean = size * rate
+  chunk = int(math.ceil(mean + 6 * math.sqrt(mean) + 16))
+  log_keep = math.log1p(-rate)
+
+  def draw(index, last, found):
+    words = philox.bits([2, chunk], philox.fold_in(seed, index))
+    # A 53-bit uniform in (0, 1): 32 high bits, then 21 more.
+    k = (tf.cast(words[0], tf.float64) * 2.0**21 + tf.cast(
+        tf.bitwise.right_shift(words[1], 11), tf.float64))
+    gaps = tf.floor(tf.math.log((k + 0.5) * 2.0**-53) / log_keep) + 1
+    # Past `size` every gap ends the draw; capped so the sum stays exact.
+    gaps = tf.cast(tf.minimum(gaps, float(size) + 1), tf.int64)
+    positions = last + tf.cumsum(gaps)
+    return (index + 1, positions[-1],
+            found.write(index, positions[positions < size]))
+
+  _, _, found = tf.while_loop(
+      lambda index, last, found: last < size, draw,
+      (tf.constant(0), tf.constant(-1, tf.int64),
+       tf.TensorArray(tf.int64, size=0, dynamic_size=True,
+                      infer_shape=False)))
+  return tf.reshape(tf.cast(found.concat(), tf.int32), [-1])

@@ -90,7 +90,8 @@ class GradientResult(NamedTuple):
     outputs: the model's outputs on the batch (for metrics).
     losses: the `[B]` per-example losses (NaN where an example's is).
     regularization_loss: the sum of `model.losses`, or None if there are none.
-    regularization_grads: its gradient, one tensor per variable, or None.
+    regularization_grads: its gradient, one tensor per variable (None for a
+      variable no regularizer reads), or None.
 
   How many examples were dropped for a non-finite gradient is
   `grads.dropped_records()`, asked for after the privatizer's statistics: the
@@ -259,16 +260,29 @@ class UnitGradients(gradients.PerExampleGradients):
                                     lambda i: self._zeros()))
 
   def weighted_sum(self, weights):
+    return self.weighted_sum_of(weights, [True] * len(self._vars))
+
+  def weighted_sum_of(self, weights, wanted):
     keep = self._keep_rows()
     weights = tf.where(keep, tf.cast(weights, tf.float32), 0.0)
 
+    def of_unit(unit, indices):
+      if not any(i is not None and wanted[i] for i in indices):
+        return [None] * len(indices)  # None of its variables asked for.
+      return unit.weighted_sum(weights, keep)
+
     def of_shared(i, g):
+      if not wanted[i]:
+        return None
       return tf.tensordot(tf.cast(weights, g.dtype),
                           clipping.zero_rows(g, keep), axes=1)
 
-    sums = self._collect(lambda unit, wanted: unit.weighted_sum(weights, keep),
-                         of_shared, lambda i: tf.zeros_like(self._vars[i]))
-    return [tf.cast(s, v.dtype) for s, v in zip(sums, self._vars)]
+    def of_unread(i):
+      return tf.zeros_like(self._vars[i]) if wanted[i] else None
+
+    sums = self._collect(of_unit, of_shared, of_unread)
+    return [tf.cast(s, v.dtype) if w else None
+            for s, v, w in zip(sums, self._vars, wanted)]
 
   def weighted_sums(self, weights, rows=None):
     keep = self._keep_rows()
@@ -306,6 +320,35 @@ class UnitGradients(gradients.PerExampleGradients):
     sums = self._collect(of_unit, of_shared, of_unread)
     return [tf.cast(s, v.dtype) if wanted else None
             for s, v, wanted in zip(sums, self._vars, needed)]
+
+  # --- row forms ---------------------------------------------------------------
+
+  def _row_unit(self, i):
+    """The unit answering variable `i`'s row forms, or None."""
+    readers = self._readers.get(i, [])
+    if len(readers) == 1 and readers[0][0].row_gathered:
+      return readers[0][0]
+    return None
+
+  def row_gathered(self):
+    return [self._row_unit(i) is not None for i in range(len(self._vars))]
+
+  def _row_answers(self, answer):
+    return [None if unit is None else answer(unit)[0]
+            for unit in map(self._row_unit, range(len(self._vars)))]
+
+  def rows_touched(self):
+    keep = self._keep_rows()
+    return self._row_answers(lambda unit: unit.rows_touched(keep))
+
+  def row_counts(self, weights):
+    weights = tf.where(self._keep_rows(), tf.cast(weights, tf.float32), 0.0)
+    return self._row_answers(lambda unit: unit.row_counts(weights))
+
+  def row_sums(self, weights):
+    keep = self._keep_rows()
+    weights = tf.where(keep, tf.cast(weights, tf.float32), 0.0)
+    return self._row_answers(lambda unit: unit.row_sums(weights, keep))
 
   def _pair(self, i, other: 'UnitGradients'):
     """`(unit, position, other's unit)` if variable `i` has a cross Gram form

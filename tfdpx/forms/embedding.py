@@ -152,6 +152,45 @@ class EmbeddingUnit(unit.Unit):
     total = segment_sum(rows * scale[:, tf.newaxis], ids, size)
     return [tf.cast(total, self._table.dtype)]
 
+  # --- row forms: the touched rows only, never `[vocab, dim]` ----------------
+
+  row_gathered = True
+
+  def _in_pairs(self) -> tf.Tensor:
+    """`[slots]` bool: the slots holding a pair (the rest repeat the last)."""
+    return tf.range(tf.size(self._id)) < self._pairs
+
+  def _row_segments(self) -> tf.Tensor:
+    """Each slot's row among the distinct ids, in order (pairs are sorted
+    by id; the empty slots join the last pair's row)."""
+    first = tf.concat([[True], tf.not_equal(self._id[1:], self._id[:-1])], 0)
+    return tf.cumsum(tf.cast(first, tf.int32)) - 1
+
+  def rows_touched(self, keep):
+    """`[B]` int32: the distinct ids of each kept example."""
+    counted = tf.logical_and(self._in_pairs(),
+                             tf.gather(keep, self._example))
+    return [self._per_example(tf.cast(counted, tf.int32))]
+
+  def row_counts(self, weights):
+    segment = self._row_segments()
+    slots = tf.size(self._id)
+    distinct = tf.reduce_max(segment) + 1
+    rows = tf.math.unsorted_segment_min(self._id, segment, slots)
+    rows = tf.where(tf.range(slots) < distinct, rows, self._vocab)
+    weight = tf.where(self._in_pairs(), tf.gather(weights, self._example),
+                      0.0)
+    return [gradients.RowCounts(
+        rows, sorted_segment_sum(weight, segment, slots))]
+
+  def row_sums(self, weights, keep):
+    rows = clipping.zero_rows(self._rows, tf.gather(keep, self._example),
+                              many_rows=True)
+    scale = tf.cast(tf.gather(weights, self._example), rows.dtype)
+    return [tf.cast(sorted_segment_sum(rows * scale[:, tf.newaxis],
+                                       self._row_segments(), tf.size(self._id)),
+                    self._table.dtype)]
+
   def cross_gram_form(self, other):
     return isinstance(other, EmbeddingUnit) and other._table is self._table  # pylint: disable=protected-access
 

@@ -62,6 +62,11 @@ class Unit(abc.ABC):
   def materialized(self) -> List[tf.Tensor]:
     """`g_iv` itself, `[B, *shape]` each (the escape hatch)."""
 
+  # A unit of one table whose example `i` has a gradient on the rows it
+  # touches only answers `rows_touched`, `row_counts` and `row_sums` (as
+  # `PerExampleGradients` does, for its one variable).
+  row_gathered = False
+
   def cross_gram_form(self, other: 'Unit') -> bool:
     """Whether `cross_grams` with `other` (the same layer's unit on another
     batch) has a cheap exact form. Default: no."""

@@ -33,6 +33,21 @@ def secret_seed() -> int:
 
 
 
+def _values(gradient):
+  """The tensor of a gradient (a `tf.IndexedSlices`'s values)."""
+  if isinstance(gradient, tf.IndexedSlices):
+    return gradient.values
+  return gradient
+
+
+def _map_values(function, gradient):
+  """`function` of a gradient's values, keeping a `tf.IndexedSlices`'s rows."""
+  if isinstance(gradient, tf.IndexedSlices):
+    return tf.IndexedSlices(function(gradient.values), gradient.indices,
+                            gradient.dense_shape)
+  return function(gradient)
+
+
 class _NoiseKey:
   """The noise key's two variables, held where no checkpoint tracks them.
 
@@ -408,6 +423,11 @@ class DPOptimizerMixin:
     if self._num_microbatches is not None:
       raise ValueError('num_microbatches cannot be combined with virtual '
                        'batches (physical_batch_size)')
+    if self._privatizer.releases_rows:
+      raise ValueError(
+          f'{self._privatizer.name} cannot be combined with virtual batches '
+          '(physical_batch_size): the rows it selects are matched within one '
+          'physical batch')
     self._check_public_grads(public_grads)
     extras = []
 
@@ -435,7 +455,7 @@ class DPOptimizerMixin:
     # The updates wait for the noisy sum, which depends on the data: a step
     # that fails for want of data (the end of a dataset of unknown length)
     # must not advance the state or the step count.
-    with tf.control_dependencies(noisy_sum):
+    with tf.control_dependencies([_values(s) for s in noisy_sum]):
       updates = [variable.assign(value) for variable, value in zip(
           self._dp_state_vars, tf.nest.flatten(new_state))]
       updates.append(self.dp_steps.assign_add(1))
@@ -461,8 +481,9 @@ class DPOptimizerMixin:
     # own products, would make the updates wait for themselves (a cycle:
     # grappler then gives up on the whole step).
     with tf.control_dependencies(updates):
-      noisy_sum = [tf.identity(s) for s in noisy_sum]
-    return [s / tf.cast(denominator * replicas, s.dtype) for s in noisy_sum]
+      noisy_sum = [_map_values(tf.identity, s) for s in noisy_sum]
+    return [_map_values(lambda v: v / tf.cast(denominator * replicas, v.dtype),
+                        s) for s in noisy_sum]
 
   # --- Keras hooks -----------------------------------------------------------
 

@@ -225,7 +225,10 @@ class _PrivateTraining(keras_version.ModelHooks):
     if result.regularization_grads is not None:
       # model.losses are data-independent (model_gradients checks): their
       # gradient is added after the noise, outside the clipped sum.
-      grads = [g + r for g, r in zip(grads, result.regularization_grads)]
+      # A regularized table's selected rows (tf.IndexedSlices) then take a
+      # dense update.
+      grads = [g if r is None else tf.convert_to_tensor(g) + r
+               for g, r in zip(grads, result.regularization_grads)]
     optimizer.apply_gradients(zip(grads, var_list))
     if not self._dp_release_training_metrics:
       # Nothing computed from the private batch but what the privatizer

@@ -881,9 +881,9 @@ def model_gradients(model: tf.keras.Model, inputs: Any,
 
   regularization_grads = None
   if regularization is not None:
-    regularization_grads = tape.gradient(
-        regularization, list(var_list),
-        unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    # None for a variable no regularizer reads: its gradient stays as the
+    # privatizer released it (a table's selected rows stay sparse).
+    regularization_grads = tape.gradient(regularization, list(var_list))
 
   taps = [call.tap for call in recorder.rule_calls]
   fallback_outputs = [call.outputs for call in recorder.fallback_calls]

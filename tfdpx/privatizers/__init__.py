@@ -15,5 +15,7 @@ from tfdpx.privatizers.gep import gep
 from tfdpx.privatizers.per_layer import PerLayerClipping
 from tfdpx.privatizers.per_layer import layer_groups
 from tfdpx.privatizers.per_layer import per_layer_clipping
+from tfdpx.privatizers.sparse_embeddings import SparseEmbeddings
+from tfdpx.privatizers.sparse_embeddings import sparse_embeddings
 from tfdpx.privatizers.sparsification import Sparsified
 from tfdpx.privatizers.sparsification import sparsified

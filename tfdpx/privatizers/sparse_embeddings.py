@@ -1,0 +1,288 @@
+"""Sparse embedding updates: DP partition selection of the rows a step updates.
+
+A step of dense DP-SGD adds noise to every row of every embedding table, and
+the optimizer writes every row: for a table of 10^6 rows of which a batch
+touches a few thousand, nearly all of the step. After Ghazi et al. 2023
+(DP-FEST, the frequency-based selection of "Sparsity-Preserving
+Differentially Private Training of Large Embedding Models"), each step here
+first selects rows by DP partition selection, a noisy count of the examples
+touching each row against a threshold, and then releases the clipped
+gradient sum with noise on the selected rows only, as a `tf.IndexedSlices`.
+Rows no example touched are selected as false positives at the rate the
+threshold's Gaussian tail implies, drawn without visiting every row
+(`noise.bernoulli_positions`). See docs/sparse_embeddings.md.
+"""
+
+import math
+from typing import Any, Dict
+
+import dp_accounting
+import tensorflow as tf
+from scipy import special
+
+from tfdpx import core
+from tfdpx import gradients
+from tfdpx import noise
+from tfdpx import xla
+from tfdpx.privatizers.adaptive import AdaptiveClipping
+from tfdpx.privatizers.gaussian import Gaussian
+
+_COUNT_STREAM = 'sparse_embeddings/counts'
+_FALSE_POSITIVE_STREAM = 'sparse_embeddings/false_positives'
+
+
+def _is_supported(inner: core.Privatizer) -> bool:
+  """Whether `inner` releases its clipped sum plus i.i.d. Gaussian noise of
+  any shape (so that its noise can cover the selected rows only)."""
+  if isinstance(inner, AdaptiveClipping):
+    return _is_supported(inner.inner)
+  return isinstance(inner, Gaussian)
+
+
+class _TouchedRows(gradients.GradientsView):
+  """The gradients an inner step sums, with each table's sum on the rows the
+  batch touches (`row_sums`), followed by zero rows for the false-positive
+  candidates, instead of the whole `[rows, dim]` sum: the inner step's noise
+  then covers exactly those rows. Norms and the other variables are the
+  gradients' own."""
+
+  def __init__(self, grads: gradients.PerExampleGradients, tables,
+               touched, candidates):
+    super().__init__(grads)
+    self._tables = tables
+    self._touched = touched  # Per table, how many distinct rows it has.
+    self._candidates = candidates
+
+  def sq_norms(self):
+    return self._grads.sq_norms()
+
+  def dots(self, directions, rows=None):
+    return self._grads.dots(directions, rows)
+
+  def masked_sq_norms(self, masks):
+    return self._grads.masked_sq_norms(masks)
+
+  def materialized(self):
+    return self._grads.materialized()
+
+  def weighted_sum(self, weights):
+    dense = [i not in self._tables for i in range(len(self.shapes))]
+    sums = self._grads.weighted_sum_of(weights, dense)
+    row_sums = self._grads.row_sums(weights)
+    for i, touched, candidates in zip(self._tables, self._touched,
+                                      self._candidates):
+      rows = row_sums[i][:touched]
+      sums[i] = tf.concat([rows, tf.zeros(
+          tf.concat([tf.shape(candidates), tf.shape(rows)[1:]], 0),
+          rows.dtype)], 0)
+    return sums
+
+
+@core.register
+class SparseEmbeddings(core.Wrapper):
+  """DP partition selection of embedding rows around a Gaussian step.
+
+  For each embedding table read by one lookup (`row_gathered` variables of
+  the per-example gradients: a Keras `Embedding`), one step
+
+  1. counts, for each row, the examples touching it, each example weighted
+     by `min(1, 1 / sqrt(n_i))`, `n_i` the rows it touches in all tables
+     together (so its contribution vector has L2 norm at most 1);
+  2. adds N(0, z_s^2) to each count and selects the rows whose noisy count
+     exceeds the threshold `tau = z_s * Phi^-1(1 - false_positive_rate)`;
+     rows no example touched have count 0 and are selected with probability
+     `false_positive_rate` each, drawn as a Bernoulli process over the
+     table's rows (the same distribution, without visiting every row);
+  3. runs `inner` (its clipping of each example's whole gradient, over all
+     variables) with its noise on the selected rows' sums only (a false
+     positive's sum is zero: noise alone), and releases each table's
+     result as `tf.IndexedSlices` of the selected rows; the other variables
+     as `inner` releases them.
+
+  `inner`'s noise multiplier `z` names the whole step: the selection gets
+  `z_s = z / sqrt(selection_share)` and the gradient
+  `z_g = z / sqrt(1 - selection_share)`, so that `z_s^-2 + z_g^-2 = z^-2`.
+
+  Privacy:
+    Each example's gradient over all trainable variables is clipped to
+    `inner`'s `l2_norm_clip` C (adaptively, under `adaptive_clipping`), and
+    its contribution vector to the counts to L2 norm 1. The release (the
+    selected rows and the noisy sums on them) is a function of the counts
+    of all rows plus N(0, z_s^2) noise each and the clipped sum of all
+    coordinates plus N(0, (z_g C)^2) noise each, two Gaussian mechanisms on
+    the same batch: one step is `ComposedDpEvent([inner's event at z_g,
+    GaussianDpEvent(z_s)])`, with effective noise multiplier `z` for a
+    `gaussian` inner (add/remove one example). The released row indices are
+    part of the release and covered by it.
+
+  Not supported: virtual batches, several replicas and XLA (the number of
+  rows selected is random, and rows touched in different physical batches
+  or replicas would have to be matched); inner steps other than `gaussian`
+  and `adaptive_clipping(gaussian(...))` (their noise or state has the
+  shape of the whole table).
+
+  References:
+    Ghazi, Huang, Kamath, Kumar, Manurangsi, Sinha, Zhang, "Sparsity-
+    Preserving Differentially Private Training of Large Embedding Models",
+    NeurIPS 2023.
+  """
+
+  name = 'sparse_embeddings'
+  releases_rows = True
+
+  def __init__(self, inner: core.Privatizer, selection_share: float = 0.25,
+               false_positive_rate: float = 1e-5):
+    """Args:
+      inner: `gaussian(...)` or `adaptive_clipping(gaussian(...))`, or its
+        `tfdpx.serialize`d form; its noise multiplier is the whole step's.
+      selection_share: the share of the step's budget (of `z^-2`) spent on
+        the selection, in (0, 1).
+      false_positive_rate: the probability that a row no example touched is
+        selected, in (0, 0.5); it sets the threshold.
+
+    Raises:
+      ValueError: naming the argument that is out of range or unsupported.
+    """
+    self._set_inner(inner)
+    if not _is_supported(self._inner):
+      raise ValueError(
+          f'inner: sparse_embeddings takes gaussian(...) or '
+          f'adaptive_clipping(gaussian(...)), got {self._inner.name}: its '
+          'noise or state covers every row of a table')
+    share = core.check_positive('selection_share', selection_share)
+    if share >= 1:
+      raise ValueError(
+          f'selection_share must be in (0, 1), got {selection_share!r}')
+    rate = core.check_positive('false_positive_rate', false_positive_rate)
+    if rate >= 0.5:
+      raise ValueError(
+          f'false_positive_rate must be in (0, 0.5), got '
+          f'{false_positive_rate!r}')
+    self._share = share
+    self._rate = rate
+    z = self._inner.noise_multiplier
+    self._selection_noise_multiplier = z / math.sqrt(share)
+    self._gradient_inner = (
+        self._inner.with_noise_multiplier(z / math.sqrt(1 - share)) if z > 0
+        else self._inner)
+
+  @property
+  def config(self) -> Dict[str, Any]:
+    return {'inner': core.serialize(self._inner),
+            'selection_share': self._share,
+            'false_positive_rate': self._rate}
+
+  @property
+  def selection_noise_multiplier(self) -> float:
+    """`z_s`: the counts' noise std (the contribution bound is 1)."""
+    return self._selection_noise_multiplier
+
+  @property
+  def gradient_noise_multiplier(self) -> float:
+    """`z_g`: the gradient noise std over `inner`'s clip norm."""
+    return self._gradient_inner.noise_multiplier
+
+  @property
+  def threshold(self) -> float:
+    """`tau`: a row is selected when its noisy count exceeds it."""
+    return self._selection_noise_multiplier * float(
+        special.ndtri(1 - self._rate))
+
+  @property
+  def effective_false_positive_rate(self) -> float:
+    """The rate untouched rows are selected at: 0 without selection noise."""
+    return self._rate if self._selection_noise_multiplier > 0 else 0.0
+
+  def dp_event(self, step):
+    return dp_accounting.ComposedDpEvent([
+        self._gradient_inner.dp_event(step),
+        dp_accounting.GaussianDpEvent(self._selection_noise_multiplier)])
+
+  def logs(self, state):
+    return self._gradient_inner.logs(state['inner'])
+
+  # --- the step ----------------------------------------------------------------
+
+  def init(self, params):
+    return {'inner': self._gradient_inner.init(params)}
+
+  def prepare(self, state, seed, per_example_grads, public_grads):
+    tables = [i for i, gathered in enumerate(per_example_grads.row_gathered())
+              if gathered]
+    if not tables:
+      raise ValueError(
+          'sparse_embeddings: no trainable variable is an embedding table '
+          'read by one lookup. Train a model made private '
+          '(tfdpx.keras.make_private) with a Keras Embedding layer; '
+          'tfdpx.keras.describe(model) lists each layer\'s form.')
+    if xla.in_xla():
+      raise ValueError(
+          'sparse_embeddings does not run under XLA (the number of rows '
+          'selected is random): compile with jit_compile=False')
+    context = tf.distribute.get_replica_context()
+    if context is not None and context.num_replicas_in_sync > 1:
+      raise ValueError('sparse_embeddings runs on one replica only')
+    # Data-independent: a Bernoulli process over each table's rows.
+    candidates = [
+        noise.bernoulli_positions(
+            int(per_example_grads.shapes[i][0]),
+            self.effective_false_positive_rate,
+            noise.substream(seed, f'{_FALSE_POSITIVE_STREAM}/{i}'))
+        for i in tables]
+    return {'tables': tables, 'candidates': candidates,
+            'shapes': {i: per_example_grads.shapes[i].as_list()
+                       for i in tables},
+            'inner': self._gradient_inner.prepare(
+                state['inner'], seed, per_example_grads, public_grads)}
+
+  def clipped_sums(self, per_example_grads, state, plan):
+    grads = gradients.as_per_example_gradients(per_example_grads)
+    tables = plan['tables']
+    touched_per_example = grads.rows_touched()
+    rows_touched = tf.add_n([touched_per_example[i] for i in tables])
+    # Each example's contribution vector (1 on each row it touches) clipped
+    # to L2 norm 1.
+    weights = tf.minimum(1.0, tf.math.rsqrt(
+        tf.cast(tf.maximum(rows_touched, 1), tf.float32)))
+    counts = grads.row_counts(weights)
+    rows = [counts[i].rows for i in tables]
+    touched = [tf.reduce_sum(tf.cast(r < shape[0], tf.int32))
+               for r, shape in zip(rows, [grads.shapes[i] for i in tables])]
+    view = _TouchedRows(grads, tables, touched, plan['candidates'])
+    return {'inner': self._gradient_inner.clipped_sums(view, state['inner'],
+                                                       plan['inner']),
+            'rows': [r[:n] for r, n in zip(rows, touched)],
+            'counts': [counts[i].counts[:n] for i, n in zip(tables, touched)]}
+
+  def release(self, sums, state, plan, seed):
+    noisy_sum, inner_state = self._gradient_inner.release(
+        sums['inner'], state['inner'], plan['inner'], seed)
+    noisy_sum = list(noisy_sum)
+    counts = sums['counts']
+    count_noise = noise.gaussian_like(
+        counts, self._selection_noise_multiplier,
+        noise.substream(seed, _COUNT_STREAM))
+    for i, rows, count, draw, candidates in zip(
+        plan['tables'], sums['rows'], counts, count_noise,
+        plan['candidates']):
+      selected = count + draw > self.threshold
+      # A candidate on a touched row is that row's own test's to decide.
+      shape = plan['shapes'][i]
+      padded = tf.concat([rows, [shape[0]]], 0)  # A sentinel past every row.
+      untouched = tf.not_equal(
+          tf.gather(padded, tf.searchsorted(padded, candidates)), candidates)
+      values, touched = noisy_sum[i], tf.size(rows)
+      noisy_sum[i] = tf.IndexedSlices(
+          tf.concat([tf.boolean_mask(values[:touched], selected),
+                     tf.boolean_mask(values[touched:], untouched)], 0),
+          tf.concat([tf.boolean_mask(rows, selected),
+                     tf.boolean_mask(candidates, untouched)], 0),
+          dense_shape=tf.constant(shape, tf.int64))
+    return noisy_sum, {'inner': inner_state}
+
+
+def sparse_embeddings(inner: core.Privatizer, selection_share: float = 0.25,
+                      false_positive_rate: float = 1e-5) -> SparseEmbeddings:
+  """DP partition selection of embedding rows around `inner`; see
+  `SparseEmbeddings`."""
+  return SparseEmbeddings(inner, selection_share, false_positive_rate)
