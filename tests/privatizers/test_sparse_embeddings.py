@@ -1,0 +1,231 @@
+"""sparse_embeddings: the row forms, the selection, its noise and its event."""
+
+import math
+
+import dp_accounting
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+import tensorflow as tf
+
+import tfdpx
+from tfdpx import accounting
+from tfdpx import gradients
+from tfdpx import noise
+from tfdpx import per_example
+from tfdpx.forms import embedding
+from tfdpx.privatizers import adaptive_clipping
+from tfdpx.privatizers import dpdr
+from tfdpx.privatizers import gaussian
+from tfdpx.privatizers import sparse_embeddings
+from tests import stats
+
+
+def _seed(n):
+  return tf.constant([n, 7], tf.int64)
+
+
+def _engine(ids, tap_grad, vocab):
+  """The engine's per-example gradients of one lookup `table[ids]`."""
+  table = tf.Variable(tf.zeros([vocab, tap_grad.shape[-1]]))
+  unit = embedding.EmbeddingUnit(table, tf.constant(ids), tf.constant(tap_grad))
+  return per_example.UnitGradients([table], [unit],
+                                   tf.constant(ids.shape[0])), table
+
+
+def _reference(engine):
+  """The same gradients materialized, `[B, vocab, dim]`: the dense reference."""
+  return gradients.MaterializedGradients(engine.materialized(),
+                                         row_gathered=[True])
+
+
+def _lookups(batch=6, length=5, vocab=40, dim=3, seed=0):
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(0, vocab, size=[batch, length])
+  ids[0, 1] = ids[0, 0]  # An id twice in one example: one row touched.
+  tap_grad = rng.normal(size=[batch, length, dim]).astype(np.float32)
+  return ids, tap_grad
+
+
+def test_engine_row_forms_match_the_dense_reference():
+  ids, tap_grad = _lookups()
+  engine, _ = _engine(ids, tap_grad, 40)
+  reference = _reference(engine)
+  weights = tf.constant(np.linspace(0.5, 2, 6), tf.float32)
+  np.testing.assert_array_equal(engine.rows_touched()[0],
+                                reference.rows_touched()[0])
+  np.testing.assert_array_equal(
+      engine.rows_touched()[0], [len(set(row)) for row in ids])
+  counts, want = engine.row_counts(weights)[0], reference.row_counts(weights)[0]
+  touched = int(tf.reduce_sum(tf.cast(counts.rows < 40, tf.int32)))
+  assert touched == len(np.unique(ids))
+  np.testing.assert_array_equal(counts.rows[:touched], want.rows)
+  np.testing.assert_array_equal(counts.rows[touched:], 40)  # Sentinels.
+  np.testing.assert_allclose(counts.counts[:touched], want.counts, rtol=1e-6)
+  np.testing.assert_array_equal(counts.counts[touched:], 0)
+  sums = engine.row_sums(weights)[0]
+  np.testing.assert_allclose(sums[:touched], reference.row_sums(weights)[0],
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(sums[touched:], 0)
+  assert engine.weighted_sum_of(weights, [False]) == [None]
+
+
+def test_noiseless_release_is_the_clipped_sum_on_the_touched_rows():
+  ids, tap_grad = _lookups()
+  engine, table = _engine(ids, tap_grad, 40)
+  privatizer = sparse_embeddings(gaussian(1.0, 0.0))
+  noisy, _ = privatizer.update(engine, privatizer.init([table]), _seed(1))
+  assert isinstance(noisy[0], tf.IndexedSlices)
+  np.testing.assert_array_equal(np.sort(noisy[0].indices), np.unique(ids))
+  dense, _ = gaussian(1.0, 0.0).update(engine, {}, _seed(1))
+  np.testing.assert_allclose(tf.convert_to_tensor(noisy[0]), dense[0],
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_engine_and_dense_reference_release_the_same_rows_with_one_key():
+  ids, tap_grad = _lookups(batch=16, vocab=300)
+  engine, table = _engine(ids, tap_grad, 300)
+  privatizer = sparse_embeddings(gaussian(0.5, 0.3), selection_share=0.5,
+                                 false_positive_rate=0.02)
+  state = privatizer.init([table])
+  got, _ = privatizer.update(engine, state, _seed(3))
+  want, _ = privatizer.update(_reference(engine), state, _seed(3))
+  np.testing.assert_array_equal(got[0].indices, want[0].indices)
+  np.testing.assert_allclose(got[0].values, want[0].values, rtol=1e-5,
+                             atol=1e-6)
+  # Some touched rows are left out and some untouched ones are in: the
+  # comparison covers both kinds.
+  touched = set(np.unique(ids))
+  assert 0 < len(touched & set(got[0].indices.numpy())) < len(touched)
+  assert set(got[0].indices.numpy()) - touched
+
+
+def _selection_rate(privatizer, rows_per_example, examples_per_row, groups,
+                    seeds):
+  """The fraction of touched rows selected, each row touched by
+  `examples_per_row` examples that each touch `rows_per_example` rows."""
+  vocab = groups * rows_per_example
+  ids = np.repeat(np.arange(vocab).reshape(groups, rows_per_example),
+                  examples_per_row, axis=0)
+  tap_grad = np.zeros(list(ids.shape) + [1], np.float32)
+  engine, table = _engine(ids, tap_grad, vocab)
+  state = privatizer.init([table])
+  selected = 0
+  for seed in range(seeds):
+    noisy, _ = privatizer.update(engine, state, _seed(100 + seed))
+    selected += int(tf.size(noisy[0].indices))
+  return selected / (vocab * seeds), vocab * seeds
+
+
+@pytest.mark.parametrize('rows_per_example', [1, 4])
+def test_selection_noise_and_contribution_bound_match_the_event(
+    rows_per_example):
+  # Each example's contribution is 1 / sqrt(rows it touches), so each row's
+  # count is examples_per_row / sqrt(rows_per_example) = 4 here; the count's
+  # noise is z_s = z / sqrt(share) = 2 and the threshold z_s * Phi^-1(1 -
+  # rate) = 2: a row is selected with probability Phi((4 - 2) / 2).
+  z, share, rate = 1.0, 0.25, scipy_stats.norm.sf(1.0)
+  examples_per_row = 4 * int(math.sqrt(rows_per_example))
+  privatizer = sparse_embeddings(gaussian(1.0, z), selection_share=share,
+                                 false_positive_rate=rate)
+  assert privatizer.selection_noise_multiplier == pytest.approx(2.0)
+  measured, trials = _selection_rate(privatizer, rows_per_example,
+                                     examples_per_row, 4000, 4)
+  expected = scipy_stats.norm.cdf((4 - 2) / 2)
+  tolerance = stats.Z * math.sqrt(expected * (1 - expected) / trials)
+  assert abs(measured - expected) < tolerance
+  # Two-sided: a count noise 10% off, contributions not clipped or clipped
+  # to 1 / rows would each move the rate out of the band.
+  wrong = [scipy_stats.norm.cdf((4 - 2.2) / 2.2),
+           scipy_stats.norm.cdf((4 - 1.8) / 1.8)]
+  if rows_per_example > 1:
+    wrong += [scipy_stats.norm.cdf((8 - 2) / 2), scipy_stats.norm.cdf(0)]
+  assert all(abs(w - expected) > 2 * tolerance for w in wrong)
+
+
+def test_false_positives_at_the_tail_rate_with_the_gradient_noise():
+  vocab, rate, clip, z = 100_000, 2e-3, 0.5, 1.0
+  ids, tap_grad = _lookups(batch=8, vocab=10, dim=4)
+  engine, table = _engine(ids, tap_grad, vocab)
+  privatizer = sparse_embeddings(gaussian(clip, z), false_positive_rate=rate)
+  state = privatizer.init([table])
+  found, values = 0, []
+  for seed in range(5):
+    noisy, _ = privatizer.update(engine, state, _seed(seed))
+    indices = noisy[0].indices.numpy()
+    assert len(np.unique(indices)) == len(indices)
+    assert indices.min() >= 0 and indices.max() < vocab
+    false = indices >= 10
+    found += int(false.sum())
+    values.append(noisy[0].values.numpy()[false])
+  trials = 5 * (vocab - 10)
+  tolerance = stats.Z * math.sqrt(trials * rate * (1 - rate))
+  assert abs(found - trials * rate) < tolerance
+  # A false positive's sum is zero: what is released there is the gradient
+  # noise alone, with the std the event names for the gradient.
+  assert privatizer.gradient_noise_multiplier == pytest.approx(
+      z / math.sqrt(0.75))
+  assert stats.std_matches(np.concatenate(values),
+                           privatizer.gradient_noise_multiplier * clip)
+  assert not stats.std_matches(np.concatenate(values), z * clip)
+
+
+def test_bernoulli_positions_are_a_bernoulli_process():
+  size, rate = 50_000, 0.01
+  positions = noise.bernoulli_positions(size, rate, _seed(5)).numpy()
+  assert np.all(np.diff(positions) > 0) and positions.max() < size
+  tolerance = stats.Z * math.sqrt(size * rate * (1 - rate))
+  assert abs(len(positions) - size * rate) < tolerance
+  gaps = np.diff(positions)  # Geometric: mean 1 / rate, variance (1-p)/p^2.
+  assert abs(gaps.mean() - 1 / rate) < stats.Z * math.sqrt(
+      (1 - rate) / rate**2 / len(gaps))
+  assert noise.bernoulli_positions(size, 0.0, _seed(5)).shape == [0]
+
+
+def test_one_step_costs_the_noise_multiplier_it_names():
+  z, q, steps, delta = 1.3, 0.01, 500, 1e-5
+  privatizer = sparse_embeddings(gaussian(1.0, z), selection_share=0.3)
+  got = accounting.epsilon(privatizer, steps=steps, sampling_probability=q,
+                           delta=delta)
+  # Independently: the two Gaussian releases of each sampled batch, z_s and
+  # z_g with z_s^-2 + z_g^-2 = z^-2, composed by dp_accounting's RDP.
+  z_s, z_g = z / math.sqrt(0.3), z / math.sqrt(0.7)
+  event = dp_accounting.SelfComposedDpEvent(
+      dp_accounting.PoissonSampledDpEvent(
+          q, dp_accounting.GaussianDpEvent((z_s**-2 + z_g**-2)**-0.5)), steps)
+  ledger = dp_accounting.rdp.RdpAccountant()
+  ledger.compose(event)
+  assert got == pytest.approx(ledger.get_epsilon(delta), rel=1e-6)
+  assert got == pytest.approx(
+      accounting.epsilon(gaussian(1.0, z), steps=steps,
+                         sampling_probability=q, delta=delta), rel=1e-9)
+
+
+def test_calibration_and_config_keep_the_split():
+  privatizer = sparse_embeddings(adaptive_clipping(gaussian(1.0, 1.0), 64.0),
+                                 selection_share=0.2, false_positive_rate=1e-6)
+  again = tfdpx.deserialize(tfdpx.serialize(privatizer))
+  assert again == privatizer
+  louder = privatizer.with_noise_multiplier(2.0)
+  assert louder.noise_multiplier == pytest.approx(2.0)
+  assert louder.selection_noise_multiplier == pytest.approx(2.0 / math.sqrt(0.2))
+  assert accounting.epsilon(louder, steps=100, sampling_probability=0.01,
+                            delta=1e-5) == pytest.approx(
+                                accounting.epsilon(
+                                    gaussian(1.0, 2.0), steps=100,
+                                    sampling_probability=0.01, delta=1e-5),
+                                rel=1e-9)
+
+
+def test_refuses_what_it_cannot_run():
+  with pytest.raises(ValueError, match='inner'):
+    sparse_embeddings(dpdr(1.0, 1.0))
+  with pytest.raises(ValueError, match='selection_share'):
+    sparse_embeddings(gaussian(1.0, 1.0), selection_share=1.0)
+  with pytest.raises(ValueError, match='false_positive_rate'):
+    sparse_embeddings(gaussian(1.0, 1.0), false_positive_rate=0.5)
+  dense = gradients.MaterializedGradients([tf.ones([2, 3])])
+  privatizer = sparse_embeddings(gaussian(1.0, 1.0))
+  with pytest.raises(ValueError, match='embedding table'):
+    privatizer.update(dense, privatizer.init([tf.Variable(tf.ones([3]))]),
+                      _seed(0))
