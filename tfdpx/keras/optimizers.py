@@ -19,6 +19,7 @@ from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras_vectorized 
 
 from tfdpx import clipping
 from tfdpx import per_example
+from tfdpx.keras import lazy_updates
 from tfdpx.keras import validation
 from tfdpx.keras.dp_optimizer import DPOptimizerMixin
 from tfdpx.keras.dp_optimizer import secret_seed
@@ -317,7 +318,30 @@ class DPSGD(_Keras2DPOptimizer, tfp_vectorized.VectorizedDPKerasSGDOptimizer):
 
 @tf.keras.utils.register_keras_serializable(package='tfdpx')
 class DPAdam(_Keras2DPOptimizer, tfp_vectorized.VectorizedDPKerasAdamOptimizer):
-  """Adam on privatized gradients. See `DPOptimizerMixin` for the DP arguments."""
+  """Adam on privatized gradients. See `DPOptimizerMixin` for the DP arguments.
+
+  A table's selected rows (`tf.IndexedSlices`, `sparse_embeddings`) take
+  lazy updates: `tfdpx.keras.lazy_updates`.
+  """
+
+  def _resource_apply_sparse(self, grad, var, indices, apply_state=None):
+    coefficients = (apply_state or {}).get(
+        (var.device, var.dtype.base_dtype)) or self._fallback_apply_state(
+            var.device, var.dtype.base_dtype)
+    v_hat = self.get_slot(var, 'vhat') if self.amsgrad else None
+
+    def assign(variable, rows):
+      return variable.scatter_update(rows)
+
+    def assign_sub(variable, rows):
+      return variable.scatter_sub(rows)
+
+    return tf.group(*lazy_updates.adam_rows(
+        tf.IndexedSlices(grad, indices),
+        (var, self.get_slot(var, 'm'), self.get_slot(var, 'v'), v_hat),
+        coefficients['lr'], coefficients['beta_1_t'],
+        coefficients['beta_2_t'], coefficients['epsilon'], assign,
+        assign_sub))
 
 
 @tf.keras.utils.register_keras_serializable(package='tfdpx')

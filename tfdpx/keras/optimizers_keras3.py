@@ -16,6 +16,7 @@ import tensorflow as tf
 from keras.src.utils import tracking
 
 from tfdpx.keras import keras3
+from tfdpx.keras import lazy_updates
 from tfdpx.keras.dp_optimizer import DPOptimizerMixin
 from tfdpx.keras.dp_optimizer import secret_seed
 
@@ -117,14 +118,54 @@ class _Keras3DPOptimizer(DPOptimizerMixin):
     return super().apply(grads, trainable_variables)
 
 
+def _value(variable):
+  """The tf.Variable of a Keras variable (a tf.Variable as it is)."""
+  return variable.value if isinstance(variable, keras.Variable) else variable
+
+
 @keras.saving.register_keras_serializable(package='tfdpx')
 class DPSGD(_Keras3DPOptimizer, keras.optimizers.SGD):
-  """SGD on privatized gradients. See `DPOptimizerMixin` for the DP arguments."""
+  """SGD on privatized gradients. See `DPOptimizerMixin` for the DP arguments.
+
+  With momentum, a table's selected rows (`tf.IndexedSlices`,
+  `sparse_embeddings`) take lazy updates: `tfdpx.keras.lazy_updates`.
+  """
+
+  def update_step(self, gradient, variable, learning_rate):
+    if not isinstance(gradient, tf.IndexedSlices) or self.momentum == 0:
+      return super().update_step(gradient, variable, learning_rate)
+    velocity = self.momentums[self._get_variable_index(variable)]
+    dtype = variable.dtype
+    lazy_updates.momentum_rows(
+        gradient, _value(variable), _value(velocity),
+        tf.cast(learning_rate, dtype), tf.cast(self.momentum, dtype),
+        self.nesterov, self.assign, self.assign_sub)
 
 
 @keras.saving.register_keras_serializable(package='tfdpx')
 class DPAdam(_Keras3DPOptimizer, keras.optimizers.Adam):
-  """Adam on privatized gradients. See `DPOptimizerMixin` for the DP arguments."""
+  """Adam on privatized gradients. See `DPOptimizerMixin` for the DP arguments.
+
+  A table's selected rows (`tf.IndexedSlices`, `sparse_embeddings`) take
+  lazy updates: `tfdpx.keras.lazy_updates`.
+  """
+
+  def update_step(self, gradient, variable, learning_rate):
+    if not isinstance(gradient, tf.IndexedSlices):
+      return super().update_step(gradient, variable, learning_rate)
+    dtype = variable.dtype
+    step = tf.cast(self.iterations + 1, dtype)
+    beta_1 = tf.cast(self.beta_1, dtype)
+    beta_2 = tf.cast(self.beta_2, dtype)
+    alpha = (tf.cast(learning_rate, dtype) * tf.sqrt(1 - beta_2**step) /
+             (1 - beta_1**step))
+    index = self._get_variable_index(variable)
+    v_hat = _value(self._velocity_hats[index]) if self.amsgrad else None
+    lazy_updates.adam_rows(
+        gradient, (_value(variable), _value(self._momentums[index]),
+                   _value(self._velocities[index]), v_hat),
+        alpha, beta_1, beta_2, tf.cast(self.epsilon, dtype), self.assign,
+        self.assign_sub)
 
 
 @keras.saving.register_keras_serializable(package='tfdpx')
