@@ -220,6 +220,30 @@ def cifar_cnn():
   ])
 
 
+# The recommendation model's tables, ids per example and Zipf exponent.
+RECOMMENDATION_TABLES = {'user_ids': 1_000_000, 'item_ids': 100_000}
+RECOMMENDATION_IDS, ZIPF = 10, 1.2
+
+
+def recommendation():
+  """Two tables (1,000,000 x 32 and 100,000 x 32), 10 ids each, pooled, a
+  small MLP tower (36M parameters, nearly all in the tables)."""
+  inputs = {name: tf.keras.Input((RECOMMENDATION_IDS,), dtype='int32',
+                                 name=name)
+            for name in RECOMMENDATION_TABLES}
+  pooled = [L.GlobalAveragePooling1D()(L.Embedding(rows, 32)(inputs[name]))
+            for name, rows in RECOMMENDATION_TABLES.items()]
+  hidden = L.Dense(64, activation='relu')(L.Concatenate()(pooled))
+  return tf.keras.Model(inputs, L.Dense(2)(L.Dense(32, activation='relu')(
+      hidden)))
+
+
+def zipf_ids(rng, n, rows, exponent=ZIPF):
+  """`[n, RECOMMENDATION_IDS]` ids drawn from a Zipf law over `rows` ids
+  (rank 1 is id 0; the tail past `rows` folds back)."""
+  return (rng.zipf(exponent, (n, RECOMMENDATION_IDS)) - 1) % rows
+
+
 # name -> (builder, one random input batch of n rows, number of classes).
 MODELS = {
     'cnn': (tutorial_cnn,
@@ -240,6 +264,9 @@ MODELS = {
         0, VOCAB, (n, KERAS_IO_TOKENS)), 2),
     'bilstm': (bidirectional_lstm, lambda rng, n: rng.integers(
         0, VOCAB, (n, KERAS_IO_TOKENS)), 2),
+    'recommendation': (recommendation, lambda rng, n: {
+        name: zipf_ids(rng, n, rows)
+        for name, rows in RECOMMENDATION_TABLES.items()}, 2),
 }
 if KERAS_3:  # Keras 3's enable_lora; keras-hub.
   MODELS['encoder_lora'] = (lambda: encoder(lora_rank=8),

@@ -116,6 +116,9 @@ PRIVATIZERS = {
     'gep_keep10': lambda: privatizers.gep(50, 1.0, 1.0, 1.0,
                                           basis_refresh_steps=10),
     'geodp': lambda: privatizers.geodp(1.0, 1.0),
+    # Noise and updates on the embedding rows selected (its defaults).
+    'sparse': lambda: privatizers.sparse_embeddings(
+        privatizers.gaussian(1.0, 1.0)),
 }
 
 
@@ -141,11 +144,18 @@ BASELINES = ('non-private',) if KERAS_3 else ('non-private',
                                               'non-private legacy')
 
 
+def _has_embedding(model_name):
+  return any(isinstance(layer, tf.keras.layers.Embedding)
+             for layer in MODELS[model_name][0]()._flatten_layers())  # pylint: disable=protected-access
+
+
 def configs(model_name):
   names = list(BASELINES)
   for name in privatizer_names():
+    if name == 'sparse' and not _has_embedding(model_name):
+      continue  # It selects rows of embedding tables.
     names.append(f'tfdpx {name}')
-    if model_name in FLAGS.xla_models:
+    if model_name in FLAGS.xla_models and name != 'sparse':  # Not under XLA.
       names.append(f'tfdpx {name} xla')
   if not KERAS_3 and isinstance(MODELS[model_name][0](), tf.keras.Sequential):
     names.append('tf-privacy DPSequential')
