@@ -89,6 +89,9 @@ def _run(flags, seed, epsilon, validation_examples):
           'noise_multiplier': result['noise_multiplier'],
           'validation_accuracy': float(result['validation_accuracy']),
           'test_accuracy': float(result['test_accuracy']),
+          # sparse_embeddings: rows selected a step, over the whole run.
+          'selected_rows': (result['history'][-1].get('selected_rows')
+                            if result['history'] else None),
           'seconds': result['seconds']}
 
 
@@ -122,6 +125,17 @@ def run(config, log=print):
   return records
 
 
+def _note(method, group):
+  """A method's note, and the rows it selected a step where it selects."""
+  note = method.get('note', '')
+  selected = [r['selected_rows'] for r in group
+              if r.get('selected_rows') is not None]
+  if selected:
+    note += (f'{"; " if note else ""}{statistics.mean(selected):.0f} rows '
+             'selected a step')
+  return note
+
+
 def table(config, records, command):
   """The markdown table of the `report` records, with how it was made."""
   lines = [f'**{config["title"]}** ({command}, '
@@ -143,7 +157,7 @@ def table(config, records, command):
         f'{epsilon} | {" ".join(group[0]["setting"]) or "-"} | '
         f'{statistics.mean(validation):.4f} | '
         f'{statistics.mean(test):.4f} ± {statistics.stdev(test):.4f} | '
-        f'{len(group)} | {config["methods"][name].get("note", "")} |')
+        f'{len(group)} | {_note(config["methods"][name], group)} |')
   return '\n'.join(lines)
 
 

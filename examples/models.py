@@ -1,6 +1,9 @@
-"""The papers' architectures, sized by the input shape."""
+"""The papers' architectures, sized by the input shape, and two models over
+embedding tables for the synthetic id datasets."""
 
 import tensorflow as tf
+
+from examples import datasets
 
 layers = tf.keras.layers
 
@@ -67,5 +70,30 @@ def resnet_gn(input_shape, num_classes=10, widths=(16, 32, 64), groups=8):
   return tf.keras.Model(inputs, layers.Dense(num_classes)(t), name='resnet_gn')
 
 
+def recommendation(input_shape, num_classes=2):
+  """Two embedding tables (100,000 x 16 and 10,000 x 16, the sizes of
+  `datasets.RECOMMENDATION_ROWS`), each fed half of the ids, pooled, and a
+  small MLP tower."""
+  ids = tf.keras.Input(input_shape, dtype='int32')
+  half = input_shape[0] // 2
+  pooled = [layers.GlobalAveragePooling1D()(layers.Embedding(rows, 16)(part))
+            for rows, part in zip(datasets.RECOMMENDATION_ROWS,
+                                  (ids[:, :half], ids[:, half:]))]
+  hidden = layers.Dense(32, activation='relu')(layers.Concatenate()(pooled))
+  return tf.keras.Model(ids, layers.Dense(num_classes)(hidden),
+                        name='recommendation')
+
+
+def text(input_shape, num_classes=2):
+  """The text benchmark's classifier: Embedding(20000, 64), pooled, two
+  Dense layers."""
+  ids = tf.keras.Input(input_shape, dtype='int32')
+  rows = layers.Embedding(datasets.TEXT_VOCAB, 64)(ids)
+  hidden = layers.Dense(64, activation='relu')(
+      layers.GlobalAveragePooling1D()(rows))
+  return tf.keras.Model(ids, layers.Dense(num_classes)(hidden), name='text')
+
+
 MODELS = {'tutorial_cnn': tutorial_cnn, 'tanh_cnn': tanh_cnn,
-          'resnet_gn': resnet_gn}
+          'resnet_gn': resnet_gn, 'recommendation': recommendation,
+          'text': text}

@@ -51,6 +51,15 @@ flags.DEFINE_bool('sparsify', False,
 flags.DEFINE_float('final_sparsity', 0.9,
                    'Random sparsification: fraction of coordinates zeroed in '
                    'the last epoch (linear cooling from 0).')
+flags.DEFINE_bool('sparse_embeddings', False,
+                  'Select embedding rows by DP partition selection: noise and '
+                  'updates on the selected rows only (docs/sparse_embeddings.md).')
+flags.DEFINE_float('selection_share', 0.25,
+                   'sparse_embeddings: share of the step\'s budget spent on '
+                   'the selection.')
+flags.DEFINE_float('false_positive_rate', 1e-5,
+                   'sparse_embeddings: rate at which untouched rows are '
+                   'selected.')
 flags.DEFINE_bool('adaptive_clipping', False,
                   'Adapt the clip norm to a quantile of the per-example '
                   'gradient norms (Andrew et al. 2021), from --l2_norm_clip.')
@@ -107,7 +116,8 @@ flags.DEFINE_enum('geodp_mode', 'sound', ['sound', 'paper'],
 flags.DEFINE_float('geodp_beta', 1.0, 'GeoDP paper mode: beta.')
 flags.DEFINE_float('geodp_direction_budget_fraction', 0.5,
                    'GeoDP sound mode: share of the budget on the direction.')
-flags.DEFINE_enum('dataset', 'mnist5k', datasets.OFFLINE + datasets.TFDS,
+flags.DEFINE_enum('dataset', 'mnist5k',
+                  datasets.OFFLINE + datasets.SYNTHETIC + datasets.TFDS,
                   'Dataset.')
 flags.DEFINE_enum('model', 'tutorial_cnn', sorted(models.MODELS),
                   'Architecture.')
@@ -202,6 +212,9 @@ def build_privatizer(noise_multiplier, steps_per_epoch):
         privatizer, FLAGS.batch_size, FLAGS.target_unclipped_quantile,
         FLAGS.clip_learning_rate, FLAGS.count_noise_multiplier
     ).with_noise_multiplier(noise_multiplier)
+  if FLAGS.sparse_embeddings:
+    privatizer = tfdpx.privatizers.sparse_embeddings(
+        privatizer, FLAGS.selection_share, FLAGS.false_positive_rate)
   if FLAGS.sparsify:
     privatizer = tfdpx.privatizers.sparsified(
         privatizer, FLAGS.final_sparsity, FLAGS.epochs, steps_per_epoch,

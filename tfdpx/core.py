@@ -191,6 +191,9 @@ class Wrapper(Privatizer):
   `tfdpx.serialize`d form under 'inner' in their `config`.
   """
 
+  # Whether this wrapper may wrap a privatizer that `releases_rows`.
+  wraps_row_releases: bool = False
+
   def _set_inner(self, inner) -> None:
     """Sets `inner` (a privatizer or its serialized form).
 
@@ -201,6 +204,11 @@ class Wrapper(Privatizer):
       inner = deserialize(inner)
     if not isinstance(inner, Privatizer):
       raise ValueError(f'inner must be a tfdpx privatizer, got {inner!r}')
+    if inner.releases_rows and not self.wraps_row_releases:
+      raise ValueError(
+          f'inner: {self.name} cannot wrap {inner.name}, whose release holds '
+          f'selected rows of embedding tables; put {self.name} inside it '
+          'where it supports that')
     self._inner = inner
 
   @property

@@ -195,8 +195,10 @@ class PerExampleGradients(abc.ABC):
 
   def row_gathered(self) -> List[bool]:
     """Per variable, whether its gradients are answered by rows: a table
-    read by one lookup, whose example `i` has a gradient on the rows it
-    touches only (`rows_touched`, `row_counts`, `row_sums`). Default: none."""
+    read by one lookup, whose example `i` has a gradient on the rows it looks
+    up only (`rows_touched`, `row_counts`, `row_sums`). An example *touches*
+    the rows where its gradient is not zero: a padding row of a fixed-shape
+    batch (sample weight 0) touches none. Default: none."""
     return [False] * len(self.shapes)
 
   def rows_touched(self) -> List[Optional[tf.Tensor]]:
@@ -221,8 +223,10 @@ class RowCounts(NamedTuple):
   """The rows of a table one batch touches, and a weighted count of each.
 
   Attributes:
-    rows: int32 `[N]`, the distinct rows touched, ascending; slots past
-      their number hold the table's row count (a sentinel past every row).
+    rows: int32 `[N]`, distinct rows ascending, every row touched among
+      them (a row only looked up with a zero gradient may be too, with count
+      0); slots past their number hold the table's row count (a sentinel
+      past every row).
     counts: float32 `[N]`, per row the sum of the weights of the examples
       touching it (0 in the sentinel slots).
   """

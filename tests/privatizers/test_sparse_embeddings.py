@@ -107,7 +107,7 @@ def _selection_rate(privatizer, rows_per_example, examples_per_row, groups,
   vocab = groups * rows_per_example
   ids = np.repeat(np.arange(vocab).reshape(groups, rows_per_example),
                   examples_per_row, axis=0)
-  tap_grad = np.zeros(list(ids.shape) + [1], np.float32)
+  tap_grad = np.ones(list(ids.shape) + [1], np.float32)
   engine, table = _engine(ids, tap_grad, vocab)
   state = privatizer.init([table])
   selected = 0
@@ -229,3 +229,27 @@ def test_refuses_what_it_cannot_run():
   with pytest.raises(ValueError, match='embedding table'):
     privatizer.update(dense, privatizer.init([tf.Variable(tf.ones([3]))]),
                       _seed(0))
+
+
+def test_other_wrappers_refuse_to_wrap_it():
+  inner = sparse_embeddings(gaussian(1.0, 1.0))
+  with pytest.raises(ValueError, match='inner: sparsified cannot wrap'):
+    tfdpx.privatizers.sparsified(inner, 0.5, epochs=2, steps_per_epoch=10)
+  with pytest.raises(ValueError, match='inner'):
+    adaptive_clipping(inner, 64.0)
+  with pytest.raises(ValueError, match='inner: per_layer_clipping cannot'):
+    tfdpx.privatizers.per_layer_clipping(inner)
+
+
+def test_a_padding_row_touches_no_row():
+  # A padding row of a fixed-shape Poisson batch has sample weight 0, hence
+  # zero gradients: it must add nothing to the counts, or the counts would
+  # depend on how many rows the batch has (sensitivity 2, not 1).
+  ids, tap_grad = _lookups(batch=4)
+  tap_grad[3] = 0.0
+  engine, _ = _engine(ids, tap_grad, 40)
+  assert engine.rows_touched()[0].numpy()[3] == 0
+  counts = engine.row_counts(tf.ones([4]))[0]
+  for row, count in zip(counts.rows.numpy(), counts.counts.numpy()):
+    if row < 40:
+      assert count == len({i for i in range(3) if row in ids[i]})

@@ -156,9 +156,14 @@ class EmbeddingUnit(unit.Unit):
 
   row_gathered = True
 
-  def _in_pairs(self) -> tf.Tensor:
-    """`[slots]` bool: the slots holding a pair (the rest repeat the last)."""
-    return tf.range(tf.size(self._id)) < self._pairs
+  def _touching(self) -> tf.Tensor:
+    """`[slots]` bool: the slots holding a pair whose gradient row is not
+    zero: an example touches the rows where its gradient is not zero (not
+    merely the ids it looks up), so that a padding row of a fixed-shape
+    batch (sample weight 0: zero gradients) touches none."""
+    return tf.logical_and(
+        tf.range(tf.size(self._id)) < self._pairs,
+        tf.reduce_any(tf.not_equal(self._rows, 0), axis=1))
 
   def _row_segments(self) -> tf.Tensor:
     """Each slot's row among the distinct ids, in order (pairs are sorted
@@ -167,8 +172,8 @@ class EmbeddingUnit(unit.Unit):
     return tf.cumsum(tf.cast(first, tf.int32)) - 1
 
   def rows_touched(self, keep):
-    """`[B]` int32: the distinct ids of each kept example."""
-    counted = tf.logical_and(self._in_pairs(),
+    """`[B]` int32: the rows each kept example touches."""
+    counted = tf.logical_and(self._touching(),
                              tf.gather(keep, self._example))
     return [self._per_example(tf.cast(counted, tf.int32))]
 
@@ -178,7 +183,7 @@ class EmbeddingUnit(unit.Unit):
     distinct = tf.reduce_max(segment) + 1
     rows = tf.math.unsorted_segment_min(self._id, segment, slots)
     rows = tf.where(tf.range(slots) < distinct, rows, self._vocab)
-    weight = tf.where(self._in_pairs(), tf.gather(weights, self._example),
+    weight = tf.where(self._touching(), tf.gather(weights, self._example),
                       0.0)
     return [gradients.RowCounts(
         rows, sorted_segment_sum(weight, segment, slots))]

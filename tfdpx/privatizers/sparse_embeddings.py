@@ -129,6 +129,7 @@ class SparseEmbeddings(core.Wrapper):
 
   name = 'sparse_embeddings'
   releases_rows = True
+  wraps_row_releases = True  # Its own inner check says what it takes.
 
   def __init__(self, inner: core.Privatizer, selection_share: float = 0.25,
                false_positive_rate: float = 1e-5):
@@ -199,12 +200,18 @@ class SparseEmbeddings(core.Wrapper):
         dp_accounting.GaussianDpEvent(self._selection_noise_multiplier)])
 
   def logs(self, state):
-    return self._gradient_inner.logs(state['inner'])
+    """`inner`'s logs, and `selected_rows`: the mean number of rows selected
+    a step so far, over all tables (the released indices: no privacy cost)."""
+    return {**self._gradient_inner.logs(state['inner']),
+            'selected_rows': state['selected_rows'] / tf.maximum(
+                tf.cast(state['steps'], tf.float32), 1.0)}
 
   # --- the step ----------------------------------------------------------------
 
   def init(self, params):
-    return {'inner': self._gradient_inner.init(params)}
+    return {'inner': self._gradient_inner.init(params),
+            'selected_rows': tf.constant(0.0, tf.float32),
+            'steps': tf.constant(0, tf.int64)}
 
   def prepare(self, state, seed, per_example_grads, public_grads):
     tables = [i for i, gathered in enumerate(per_example_grads.row_gathered())
@@ -257,7 +264,7 @@ class SparseEmbeddings(core.Wrapper):
   def release(self, sums, state, plan, seed):
     noisy_sum, inner_state = self._gradient_inner.release(
         sums['inner'], state['inner'], plan['inner'], seed)
-    noisy_sum = list(noisy_sum)
+    noisy_sum, selected_rows = list(noisy_sum), state['selected_rows']
     counts = sums['counts']
     count_noise = noise.gaussian_like(
         counts, self._selection_noise_multiplier,
@@ -278,7 +285,9 @@ class SparseEmbeddings(core.Wrapper):
           tf.concat([tf.boolean_mask(rows, selected),
                      tf.boolean_mask(candidates, untouched)], 0),
           dense_shape=tf.constant(shape, tf.int64))
-    return noisy_sum, {'inner': inner_state}
+      selected_rows += tf.cast(tf.size(noisy_sum[i].indices), tf.float32)
+    return noisy_sum, {'inner': inner_state, 'selected_rows': selected_rows,
+                       'steps': state['steps'] + 1}
 
 
 def sparse_embeddings(inner: core.Privatizer, selection_share: float = 0.25,
