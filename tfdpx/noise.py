@@ -280,20 +280,24 @@ def add_gaussian(sums: Sequence[tf.Tensor], l2_norm_clip, noise_multiplier,
   return [s + n for s, n in zip(sums, gaussian_like(sums, stddev, seed))]
 
 
-def bernoulli_positions(size: int, rate: float, seed: tf.Tensor) -> tf.Tensor:
+def bernoulli_positions(size: int, rate: float, seed: tf.Tensor,
+                        chunk: int = None) -> tf.Tensor:
   """The positions `j < size` of a Bernoulli(`rate`) process, ascending.
 
   Each position is in the result independently with probability `rate`,
   but the cost grows with the number drawn, `size * rate` on average, not
   with `size`: the gaps between positions are geometric, `floor(log u /
   log(1 - rate)) + 1` for a 53-bit uniform `u` (`P(gap > k) = P(u <= (1 -
-  rate)^k) = (1 - rate)^k`), drawn a chunk at a time until past `size`.
-  Not under XLA (the number drawn is random).
+  rate)^k) = (1 - rate)^k`), drawn a chunk at a time until past `size`
+  (one chunk, without a loop, unless the positions outnumber their mean by
+  six standard deviations). Not under XLA (the number drawn is random).
 
   Args:
     size: the number of positions, a Python int.
     rate: the probability of each, a Python float in [0, 1).
     seed: int64 `[2]` seed of this draw.
+    chunk: gaps drawn at a time (default: their mean number plus six
+      standard deviations, plus 16).
 
   Returns:
     int32 `[n]`, ascending.
@@ -301,10 +305,11 @@ def bernoulli_positions(size: int, rate: float, seed: tf.Tensor) -> tf.Tensor:
   if rate == 0 or size == 0:
     return tf.zeros([0], tf.int32)
   mean = size * rate
-  chunk = int(math.ceil(mean + 6 * math.sqrt(mean) + 16))
+  chunk = chunk or int(math.ceil(mean + 6 * math.sqrt(mean) + 16))
   log_keep = math.log1p(-rate)
 
-  def draw(index, last, found):
+  def gaps_after(index, last):
+    """Positions after `last` from chunk `index` of the gaps."""
     words = philox.bits([2, chunk], philox.fold_in(seed, index))
     # A 53-bit uniform in (0, 1): 32 high bits, then 21 more.
     k = (tf.cast(words[0], tf.float64) * 2.0**21 + tf.cast(
@@ -312,13 +317,23 @@ def bernoulli_positions(size: int, rate: float, seed: tf.Tensor) -> tf.Tensor:
     gaps = tf.floor(tf.math.log((k + 0.5) * 2.0**-53) / log_keep) + 1
     # Past `size` every gap ends the draw; capped so the sum stays exact.
     gaps = tf.cast(tf.minimum(gaps, float(size) + 1), tf.int64)
-    positions = last + tf.cumsum(gaps)
+    return last + tf.cumsum(gaps)
+
+  def draw(index, last, found):
+    positions = gaps_after(index, last)
     return (index + 1, positions[-1],
             found.write(index, positions[positions < size]))
 
-  _, _, found = tf.while_loop(
-      lambda index, last, found: last < size, draw,
-      (tf.constant(0), tf.constant(-1, tf.int64),
-       tf.TensorArray(tf.int64, size=0, dynamic_size=True,
-                      infer_shape=False)))
-  return tf.reshape(tf.cast(found.concat(), tf.int32), [-1])
+  def more():
+    # Rarely (the chunk is the mean plus 6 standard deviations): a loop.
+    _, _, found = tf.while_loop(
+        lambda index, last, found: last < size, draw,
+        (tf.constant(1), first[-1],
+         tf.TensorArray(tf.int64, size=1, dynamic_size=True,
+                        infer_shape=False).write(0, first)))
+    return found.concat()
+
+  first = gaps_after(tf.constant(0), tf.constant(-1, tf.int64))
+  # One chunk almost always reaches past `size`: no loop in the step.
+  found = tf.cond(first[-1] >= size, lambda: first[first < size], more)
+  return tf.reshape(tf.cast(found, tf.int32), [-1])

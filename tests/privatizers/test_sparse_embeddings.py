@@ -170,9 +170,10 @@ def test_false_positives_at_the_tail_rate_with_the_gradient_noise():
   assert not stats.std_matches(np.concatenate(values), z * clip)
 
 
-def test_bernoulli_positions_are_a_bernoulli_process():
+@pytest.mark.parametrize('chunk', [None, 7])  # 7: the loop over chunks.
+def test_bernoulli_positions_are_a_bernoulli_process(chunk):
   size, rate = 50_000, 0.01
-  positions = noise.bernoulli_positions(size, rate, _seed(5)).numpy()
+  positions = noise.bernoulli_positions(size, rate, _seed(5), chunk).numpy()
   assert np.all(np.diff(positions) > 0) and positions.max() < size
   tolerance = stats.Z * math.sqrt(size * rate * (1 - rate))
   assert abs(len(positions) - size * rate) < tolerance

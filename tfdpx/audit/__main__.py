@@ -20,6 +20,9 @@ from tfdpx.audit import run
 from tfdpx.audit import settings
 
 
+_ALL_FLAWS = flaws.FLAWS + flaws.SELECTION_FLAWS + flaws.PIPELINE_FLAWS
+
+
 def _names(text):
   return [name for name in text.split(',') if name]
 
@@ -34,7 +37,7 @@ def _parser():
   add('--epsilons', type=lambda t: [float(e) for e in _names(t)],
       default=[1.0, 4.0, 16.0], help='printed epsilons to audit')
   add('--flaws', type=_names,
-      default=list(flaws.FLAWS + flaws.PIPELINE_FLAWS),
+      default=list(_ALL_FLAWS),
       help='broken DP-SGD configurations to audit (may be empty)')
   add('--flaw_epsilon', type=float, default=2.0,
       help='the epsilon the broken configurations claim')
@@ -105,7 +108,7 @@ def main(argv=None):
   parser = _parser()
   args = parser.parse_args(sys.argv[1:] if argv is None else argv)
   for flag, known in (('privatizers', settings.PRIVATIZERS),
-                      ('flaws', flaws.FLAWS + flaws.PIPELINE_FLAWS),
+                      ('flaws', _ALL_FLAWS),
                       ('scores', run.SCORES)):
     unknown = sorted(set(getattr(args, flag)) - set(known))
     if unknown:

@@ -1,4 +1,4 @@
-"""Deliberately broken DP-SGD, to show that an audit catches a broken step.
+"""Deliberately broken noise steps, to show that an audit catches them.
 
 Never train with it: it accounts for a guarantee its release does not have.
 """
@@ -9,9 +9,12 @@ from tfdpx import clipping
 from tfdpx import core
 from tfdpx import noise
 from tfdpx.privatizers.gaussian import Gaussian
+from tfdpx.privatizers.sparse_embeddings import SparseEmbeddings
 
-# Flaws of the noise step (`FlawedGaussian`), and of the input pipeline.
+# Flaws of the noise step (`FlawedGaussian`), of the selection of embedding
+# rows (`ExactSelection`), and of the input pipeline.
 FLAWS = ('no_noise', 'no_clip', 'noise_fraction', 'reused_noise')
+SELECTION_FLAWS = ('exact_selection',)
 PIPELINE_FLAWS = ('no_sampling',)
 # The share of the accounted noise `'noise_fraction'` adds.
 NOISE_FRACTION = 0.5
@@ -62,3 +65,29 @@ class FlawedGaussian(Gaussian):
       seed = tf.constant(REUSED_KEY, tf.int64)
     return noise.add_gaussian(sums, self._l2_norm_clip, multiplier,
                               seed), state
+
+
+@core.register
+class ExactSelection(SparseEmbeddings):
+  """`sparse_embeddings` selecting on exact counts, accounted as if noisy.
+
+  Privacy:
+    None. `dp_event` is `sparse_embeddings`' (the counts' noise `z_s` is
+    accounted), but every row an example touches is selected and no other
+    (no count noise, threshold 0, no false positives): the released row
+    indices say which rows the batch touched. A canary that is the only
+    user of its row is then seen whenever it is in the batch. An audit of it
+    must give a lower bound above the epsilon printed for it, or reject its
+    claimed curve.
+  """
+
+  name = 'exact_selection'
+
+  @property
+  def selection_noise_multiplier(self) -> float:
+    # What the step draws; `dp_event` still names the honest `z_s`.
+    return 0.0
+
+  @property
+  def threshold(self) -> float:
+    return 0.0

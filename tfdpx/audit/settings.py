@@ -79,6 +79,12 @@ def _per_layer(z, steps, expected_batch_size):
       privatizers.gaussian(L2_NORM_CLIP, z), groups='variable')
 
 
+def _sparse(z, steps, expected_batch_size):
+  del steps, expected_batch_size
+  # Each gradient canary is the only user of its row of the canary table.
+  return privatizers.sparse_embeddings(privatizers.gaussian(L2_NORM_CLIP, z))
+
+
 # Each builder takes (noise_multiplier, steps, expected_batch_size).
 PRIVATIZERS = {
     'gaussian': _gaussian,
@@ -89,16 +95,20 @@ PRIVATIZERS = {
     'geodp': _geodp,
     'adaptive_clipping': _adaptive,
     'per_layer_clipping': _per_layer,
+    'sparse_embeddings': _sparse,
 }
 
 
 def flawed(flaw: str, z, steps, expected_batch_size):
-  """DP-SGD with `flaw` (`flaws.FLAWS`), accounted as DP-SGD at `z`; for a
-  pipeline flaw (`flaws.PIPELINE_FLAWS`) DP-SGD itself (the run is flawed:
-  `batch_sampling_probability`)."""
+  """DP-SGD with `flaw` (`flaws.FLAWS`), accounted as DP-SGD at `z`;
+  `sparse_embeddings` selecting on exact counts (`flaws.SELECTION_FLAWS`),
+  accounted as at `z`; for a pipeline flaw (`flaws.PIPELINE_FLAWS`) DP-SGD
+  itself (the run is flawed: `batch_sampling_probability`)."""
   del steps, expected_batch_size
   if flaw in flaws.PIPELINE_FLAWS:
     return privatizers.gaussian(L2_NORM_CLIP, z)
+  if flaw in flaws.SELECTION_FLAWS:
+    return flaws.ExactSelection(privatizers.gaussian(L2_NORM_CLIP, z))
   return flaws.FlawedGaussian(L2_NORM_CLIP, z, flaw)
 
 

@@ -82,14 +82,20 @@ class EmbeddingUnit(unit.Unit):
     self._rows = sorted_segment_sum(
         tf.gather(tf.reshape(tap_grad, [-1, self._dim]), order), segment,
         slots)
+    self._sq_norms = None
 
   def _per_example(self, per_pair: tf.Tensor) -> tf.Tensor:
     """Sums a `[U, ...]` statistic of the pairs over each example's pairs."""
     return tf.math.unsorted_segment_sum(per_pair, self._example, self._batch)
 
+  def _pair_sq_norms(self) -> tf.Tensor:
+    """`|row|^2` of each pair's gradient row, float32 `[slots]` (once)."""
+    if self._sq_norms is None:
+      self._sq_norms = gradients.row_sq_norms(tf.cast(self._rows, tf.float32))
+    return self._sq_norms
+
   def sq_norms(self):
-    rows = tf.cast(self._rows, tf.float32)
-    return [self._per_example(gradients.row_sq_norms(rows))]
+    return [self._per_example(self._pair_sq_norms())]
 
   def _window(self, rows):
     """`(ids, inside, size)` of the pairs on the table rows `rows`.
@@ -158,12 +164,12 @@ class EmbeddingUnit(unit.Unit):
 
   def _touching(self) -> tf.Tensor:
     """`[slots]` bool: the slots holding a pair whose gradient row is not
-    zero: an example touches the rows where its gradient is not zero (not
-    merely the ids it looks up), so that a padding row of a fixed-shape
-    batch (sample weight 0: zero gradients) touches none."""
-    return tf.logical_and(
-        tf.range(tf.size(self._id)) < self._pairs,
-        tf.reduce_any(tf.not_equal(self._rows, 0), axis=1))
+    zero (its squared norm is positive): an example touches the rows where
+    its gradient is not zero, not merely the ids it looks up, so that a
+    padding row of a fixed-shape batch (sample weight 0: zero gradients)
+    touches none."""
+    return tf.logical_and(tf.range(tf.size(self._id)) < self._pairs,
+                          self._pair_sq_norms() > 0)
 
   def _row_segments(self) -> tf.Tensor:
     """Each slot's row among the distinct ids, in order (pairs are sorted

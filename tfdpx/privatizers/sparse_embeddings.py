@@ -39,19 +39,20 @@ def _is_supported(inner: core.Privatizer) -> bool:
   return isinstance(inner, Gaussian)
 
 
-class _TouchedRows(gradients.GradientsView):
-  """The gradients an inner step sums, with each table's sum on the rows the
-  batch touches (`row_sums`), followed by zero rows for the false-positive
-  candidates, instead of the whole `[rows, dim]` sum: the inner step's noise
-  then covers exactly those rows. Norms and the other variables are the
-  gradients' own."""
+class _SelectedRows(gradients.GradientsView):
+  """The gradients an inner step sums, with each table's sum on its selected
+  rows only (the touched rows selected, from `row_sums`, then zero rows for
+  the untouched false positives) instead of the whole `[rows, dim]` sum:
+  the inner step's noise then covers exactly the selected rows. Norms and
+  the other variables are the gradients' own."""
 
-  def __init__(self, grads: gradients.PerExampleGradients, tables,
-               touched, candidates):
+  def __init__(self, grads: gradients.PerExampleGradients, tables, touched,
+               selected, false_positives):
     super().__init__(grads)
     self._tables = tables
     self._touched = touched  # Per table, how many distinct rows it has.
-    self._candidates = candidates
+    self._selected = selected  # Per table, which of those are selected.
+    self._false_positives = false_positives
 
   def sq_norms(self):
     return self._grads.sq_norms()
@@ -69,11 +70,11 @@ class _TouchedRows(gradients.GradientsView):
     dense = [i not in self._tables for i in range(len(self.shapes))]
     sums = self._grads.weighted_sum_of(weights, dense)
     row_sums = self._grads.row_sums(weights)
-    for i, touched, candidates in zip(self._tables, self._touched,
-                                      self._candidates):
-      rows = row_sums[i][:touched]
+    for i, touched, selected, false_positives in zip(
+        self._tables, self._touched, self._selected, self._false_positives):
+      rows = tf.boolean_mask(row_sums[i][:touched], selected)
       sums[i] = tf.concat([rows, tf.zeros(
-          tf.concat([tf.shape(candidates), tf.shape(rows)[1:]], 0),
+          tf.concat([tf.shape(false_positives), tf.shape(rows)[1:]], 0),
           rows.dtype)], 0)
     return sums
 
@@ -186,13 +187,13 @@ class SparseEmbeddings(core.Wrapper):
   @property
   def threshold(self) -> float:
     """`tau`: a row is selected when its noisy count exceeds it."""
-    return self._selection_noise_multiplier * float(
+    return self.selection_noise_multiplier * float(
         special.ndtri(1 - self._rate))
 
   @property
   def effective_false_positive_rate(self) -> float:
     """The rate untouched rows are selected at: 0 without selection noise."""
-    return self._rate if self._selection_noise_multiplier > 0 else 0.0
+    return self._rate if self.selection_noise_multiplier > 0 else 0.0
 
   def dp_event(self, step):
     return dp_accounting.ComposedDpEvent([
@@ -237,12 +238,16 @@ class SparseEmbeddings(core.Wrapper):
             noise.substream(seed, f'{_FALSE_POSITIVE_STREAM}/{i}'))
         for i in tables]
     return {'tables': tables, 'candidates': candidates,
+            'count_key': noise.substream(seed, _COUNT_STREAM),
             'shapes': {i: per_example_grads.shapes[i].as_list()
                        for i in tables},
             'inner': self._gradient_inner.prepare(
                 state['inner'], seed, per_example_grads, public_grads)}
 
   def clipped_sums(self, per_example_grads, state, plan):
+    # The selection is drawn here (keyed by the plan), so that the inner
+    # step sums and noises the selected rows only: these sums are not
+    # additive over physical batches or replicas (both refused).
     grads = gradients.as_per_example_gradients(per_example_grads)
     tables = plan['tables']
     touched_per_example = grads.rows_touched()
@@ -251,41 +256,38 @@ class SparseEmbeddings(core.Wrapper):
     # to L2 norm 1.
     weights = tf.minimum(1.0, tf.math.rsqrt(
         tf.cast(tf.maximum(rows_touched, 1), tf.float32)))
-    counts = grads.row_counts(weights)
-    rows = [counts[i].rows for i in tables]
-    touched = [tf.reduce_sum(tf.cast(r < shape[0], tf.int32))
-               for r, shape in zip(rows, [grads.shapes[i] for i in tables])]
-    view = _TouchedRows(grads, tables, touched, plan['candidates'])
+    row_counts = grads.row_counts(weights)
+    touched = [tf.reduce_sum(tf.cast(row_counts[i].rows < shape[0], tf.int32))
+               for i, shape in plan['shapes'].items()]
+    rows = [row_counts[i].rows[:n] for i, n in zip(tables, touched)]
+    counts = [row_counts[i].counts[:n] for i, n in zip(tables, touched)]
+    draws = noise.gaussian_like(counts, self.selection_noise_multiplier,
+                                plan['count_key'])
+    selected, false_positives, released = [], [], []
+    for i, row, count, draw, candidates in zip(tables, rows, counts, draws,
+                                               plan['candidates']):
+      selected.append(count + draw > self.threshold)
+      # A candidate on a touched row is that row's own test's to decide.
+      padded = tf.concat([row, [plan['shapes'][i][0]]], 0)  # A sentinel.
+      false_positives.append(tf.boolean_mask(candidates, tf.not_equal(
+          tf.gather(padded, tf.searchsorted(padded, candidates)),
+          candidates)))
+      released.append(tf.concat([tf.boolean_mask(row, selected[-1]),
+                                 false_positives[-1]], 0))
+    view = _SelectedRows(grads, tables, touched, selected, false_positives)
     return {'inner': self._gradient_inner.clipped_sums(view, state['inner'],
                                                        plan['inner']),
-            'rows': [r[:n] for r, n in zip(rows, touched)],
-            'counts': [counts[i].counts[:n] for i, n in zip(tables, touched)]}
+            'rows': released}
 
   def release(self, sums, state, plan, seed):
     noisy_sum, inner_state = self._gradient_inner.release(
         sums['inner'], state['inner'], plan['inner'], seed)
     noisy_sum, selected_rows = list(noisy_sum), state['selected_rows']
-    counts = sums['counts']
-    count_noise = noise.gaussian_like(
-        counts, self._selection_noise_multiplier,
-        noise.substream(seed, _COUNT_STREAM))
-    for i, rows, count, draw, candidates in zip(
-        plan['tables'], sums['rows'], counts, count_noise,
-        plan['candidates']):
-      selected = count + draw > self.threshold
-      # A candidate on a touched row is that row's own test's to decide.
-      shape = plan['shapes'][i]
-      padded = tf.concat([rows, [shape[0]]], 0)  # A sentinel past every row.
-      untouched = tf.not_equal(
-          tf.gather(padded, tf.searchsorted(padded, candidates)), candidates)
-      values, touched = noisy_sum[i], tf.size(rows)
+    for i, rows in zip(plan['tables'], sums['rows']):
       noisy_sum[i] = tf.IndexedSlices(
-          tf.concat([tf.boolean_mask(values[:touched], selected),
-                     tf.boolean_mask(values[touched:], untouched)], 0),
-          tf.concat([tf.boolean_mask(rows, selected),
-                     tf.boolean_mask(candidates, untouched)], 0),
-          dense_shape=tf.constant(shape, tf.int64))
-      selected_rows += tf.cast(tf.size(noisy_sum[i].indices), tf.float32)
+          noisy_sum[i], rows, dense_shape=tf.constant(plan['shapes'][i],
+                                                      tf.int64))
+      selected_rows += tf.cast(tf.size(rows), tf.float32)
     return noisy_sum, {'inner': inner_state, 'selected_rows': selected_rows,
                        'steps': state['steps'] + 1}
 
