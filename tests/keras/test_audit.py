@@ -80,6 +80,17 @@ def test_the_audit_catches_a_broken_dp_sgd(flaw, digits):
   assert found['claim_rejected']
 
 
+@pytest.mark.parametrize('flaw', flaws.SELECTION_FLAWS)
+def test_the_audit_catches_a_selection_on_exact_counts(flaw, digits):
+  # Each gradient canary is the only user of its row: selected on exact
+  # counts, its row moves exactly when it is in the batch.
+  found = _audit(lambda *a: settings.flawed(flaw, *a), 1.0, digits,
+                 num_canaries=1000)
+  assert found['printed_epsilon'] == pytest.approx(1.0, rel=1e-2)
+  assert found['epsilon_lower_bound'] > 2 * found['printed_epsilon']
+  assert found['claim_rejected']
+
+
 def _release(privatizer, sums, key):
   out, _ = privatizer.release([tf.constant(s) for s in sums], {}, None,
                               tf.constant(key, tf.int64))

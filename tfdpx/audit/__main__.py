@@ -23,6 +23,11 @@ from tfdpx.audit import settings
 _ALL_FLAWS = flaws.FLAWS + flaws.SELECTION_FLAWS + flaws.PIPELINE_FLAWS
 
 
+def _flawed_step(flaw):
+  """The noise step a flaw breaks."""
+  return 'sparse_embeddings' if flaw in flaws.SELECTION_FLAWS else 'gaussian'
+
+
 def _names(text):
   return [name for name in text.split(',') if name]
 
@@ -38,7 +43,7 @@ def _parser():
       default=[1.0, 4.0, 16.0], help='printed epsilons to audit')
   add('--flaws', type=_names,
       default=list(_ALL_FLAWS),
-      help='broken DP-SGD configurations to audit (may be empty)')
+      help='broken configurations to audit (may be empty)')
   add('--flaw_epsilon', type=float, default=2.0,
       help='the epsilon the broken configurations claim')
   add('--canaries', choices=['gradient', 'input'], default='gradient',
@@ -130,7 +135,7 @@ def main(argv=None):
                 physical_batch_size=args.physical_batch_size)
   audits = [(name, settings.PRIVATIZERS[name], e, None)
             for name in args.privatizers for e in args.epsilons]
-  audits += [(f'flawed_gaussian({flaw})',
+  audits += [(f'flawed_{_flawed_step(flaw)}({flaw})',
               lambda *a, flaw=flaw: settings.flawed(flaw, *a),
               args.flaw_epsilon, settings.batch_sampling_probability(flaw))
              for flaw in args.flaws]
