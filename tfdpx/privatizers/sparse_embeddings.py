@@ -86,7 +86,8 @@ class SparseEmbeddings(core.Wrapper):
   For each embedding table read by one lookup (`row_gathered` variables of
   the per-example gradients: a Keras `Embedding`), one step
 
-  1. counts, for each row, the examples touching it, each example weighted
+  1. counts, for each row, the examples touching it (those whose gradient
+     on it is not zero: a padding row touches none), each example weighted
      by `min(1, 1 / sqrt(n_i))`, `n_i` the rows it touches in all tables
      together (so its contribution vector has L2 norm at most 1);
   2. adds N(0, z_s^2) to each count and selects the rows whose noisy count
