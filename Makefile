@@ -52,6 +52,7 @@ test-keras2: $(STAMP)
 # only): some refuse what oneDNN's accept (a depthwise convolution's unequal
 # strides). Stack A; the full suites run with the machine's default.
 ONEDNN_OFF_TESTS := tests/test_per_example.py tests/test_engine_equivalence.py \
+  tests/privatizers/test_sparse_embeddings.py \
   tests/keras/test_pipelines.py::test_strided_convolutions_train_from_a_dataset_of_unknown_batch_size \
   tests/keras/test_pipelines.py::test_strided_convolution_statistics_equal_single_example_tapes \
   tests/keras/test_models.py \

@@ -254,3 +254,16 @@ def test_a_padding_row_touches_no_row():
   for row, count in zip(counts.rows.numpy(), counts.counts.numpy()):
     if row < 40:
       assert count == len({i for i in range(3) if row in ids[i]})
+
+
+def test_update_is_pure_and_keyed_by_the_seed():
+  ids, tap_grad = _lookups(batch=16, vocab=300)
+  engine, table = _engine(ids, tap_grad, 300)
+  privatizer = sparse_embeddings(gaussian(0.5, 0.3), selection_share=0.5,
+                                 false_positive_rate=0.02)
+  state = privatizer.init([table])
+  first, second, other = (privatizer.update(engine, state, _seed(n))[0][0]
+                          for n in (4, 4, 5))
+  np.testing.assert_array_equal(first.indices, second.indices)
+  np.testing.assert_array_equal(first.values, second.values)
+  assert not np.array_equal(first.indices, other.indices)
