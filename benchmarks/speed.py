@@ -32,6 +32,12 @@ optimizer's sparse Embedding update is up to 2 times slower), on Keras 3
   steps, and its ratio is that over the baseline of the same model, batch
   and pipeline from the same run.
 
+A dense release draws a Gaussian for every trainable coordinate; after the
+speed table, each model's row gives the time of that many draws by tfdpx's
+sampler (`tfdpx.noise.standard_normal`, tails to 8.6 standard deviations)
+and by TensorFlow's `stateless_normal` (float32: none past 5.7), and
+DP-SGD's step net of its draws over the plain step (`draws_rows`).
+
 Every results file starts with the machine it ran on (`machine_record`):
 figures from different machines are never compared.
 
@@ -54,6 +60,7 @@ import tensorflow as tf
 from benchmarks.models import data
 from benchmarks.models import MODELS
 import tfdpx
+from tfdpx import noise
 from tfdpx import privatizers
 from tfdpx import sampling
 from tfdpx.keras.version import KERAS_3
@@ -355,6 +362,49 @@ def main(argv):
       out.write('\n'.join(lines) + '\n')
 
 
+def _draw_milliseconds(draw, size):
+  """The fastest of 20 draws of `size` normals by `draw(shape, seed)`, ms.
+
+  The seed is a variable, read each call: a constant seed would let
+  grappler fold the draw away.
+  """
+  seed = tf.Variable([1, 2], dtype=tf.int64)
+
+  @tf.function
+  def once():
+    seed.assign_add([0, 1])
+    return tf.reduce_sum(draw([size], seed.read_value()))
+
+  once()
+  best = float('inf')
+  for _ in range(20):
+    start = time.perf_counter()
+    once().numpy()
+    best = min(best, time.perf_counter() - start)
+  return 1000 * best
+
+
+def draws_rows(model_name, seconds):
+  """The dense-release floor of one model: the time of as many Gaussian draws
+  as it has trainable coordinates, by tfdpx's sampler and by TensorFlow's
+  `stateless_normal`, and DP-SGD's step net of the draws over the plain
+  step (both pipelines' first, as the speed table's)."""
+  size = sum(int(np.prod(v.shape))
+             for v in MODELS[model_name][0]().trainable_variables)
+  ours = _draw_milliseconds(
+      lambda shape, seed: noise.standard_normal(shape, seed,
+                                                      dtype=tf.float32), size)
+  theirs = _draw_milliseconds(
+      lambda shape, seed: tf.random.stateless_normal(shape, seed), size)
+  pipeline = FLAGS.pipeline[0]
+  plain = min(seconds[pipeline, config] for config in BASELINES)
+  dp_sgd = seconds.get((pipeline, 'tfdpx gaussian'))
+  net = ('-' if dp_sgd is None else
+         f'{(1000 * dp_sgd - ours) / (1000 * plain):.1f}')
+  return (f'| {model_name} | {size:,} | {ours:.1f} | {theirs:.1f} | '
+          f'{ours / theirs:.2f} | {net} |')
+
+
 def speed_and_memory_tables(emit):
   """The tables of `make bench`."""
   emit(f'# tfdpx speed benchmark, {time.strftime("%Y-%m-%d %H:%M UTC")}, '
@@ -368,6 +418,7 @@ def speed_and_memory_tables(emit):
   emit('| model | batch | pipeline | configuration | ms/step | '
        'x non-private |')
   emit('|---|---:|---|---|---:|---:|')
+  draws = []
   for model_name in FLAGS.models:
     for batch in map(int, FLAGS.batches):
       seconds = time_model(model_name, batch, FLAGS.pipeline)
@@ -377,7 +428,19 @@ def speed_and_memory_tables(emit):
           value = seconds[pipeline, config]
           emit(f'| {model_name} | {batch} | {pipeline} | {config} | '
                f'{1000 * value:.1f} | {value / baseline:.1f} |')
+      if batch == int(FLAGS.batches[0]):
+        draws.append(draws_rows(model_name, seconds))
       tf.keras.backend.clear_session()
+  emit()
+  emit(f'Dense releases: the draws of every trainable coordinate (ms, the '
+       f'fastest of 20), and DP-SGD\'s step net of them over the plain step '
+       f'(batch {FLAGS.batches[0]}, pipeline {FLAGS.pipeline[0]}).')
+  emit()
+  emit('| model | coordinates | tfdpx sampler | tf.random.stateless_normal | '
+       'x | DP-SGD net of the draws, x plain |')
+  emit('|---|---:|---:|---:|---:|---:|')
+  for row in draws:
+    emit(row)
   if FLAGS.memory:
     pipeline = FLAGS.pipeline[0]
     emit()
