@@ -91,7 +91,7 @@ def _run(flags, seed, epsilon, validation_examples):
           'test_accuracy': float(result['test_accuracy']),
           # sparse_embeddings: rows selected a step, over the whole run.
           'selected_rows': (result['history'][-1].get('selected_rows')
-                            if result['history'] else None),
+                            if result.get('history') else None),
           'seconds': result['seconds']}
 
 
