@@ -157,7 +157,7 @@ class PerExampleGradients(abc.ABC):
     """
     columns = tf.unstack(tf.convert_to_tensor(weights), axis=1)
     sums = [tf.stack(s) for s in zip(*[self.weighted_sum(w) for w in columns])]
-    return _rows_of_sums(sums, rows)
+    return rows_of_sums(sums, rows)
 
   def cross_gram_forms(self, other: 'PerExampleGradients') -> List[bool]:
     """Per variable, whether `cross_grams` with `other` can answer for it.
@@ -234,7 +234,7 @@ class RowCounts(NamedTuple):
   counts: tf.Tensor
 
 
-def _rows_of_sums(sums: Sequence[tf.Tensor],
+def rows_of_sums(sums: Sequence[tf.Tensor],
                   rows: Rows) -> List[Optional[tf.Tensor]]:
   """`weighted_sums`' answer for `rows` from the whole `[K, *shape]` sums."""
   if rows is None:

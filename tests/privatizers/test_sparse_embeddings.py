@@ -267,3 +267,28 @@ def test_update_is_pure_and_keyed_by_the_seed():
   np.testing.assert_array_equal(first.indices, second.indices)
   np.testing.assert_array_equal(first.values, second.values)
   assert not np.array_equal(first.indices, other.indices)
+
+
+@pytest.mark.parametrize('wrap', ['per_layer', 'adaptive_per_layer'])
+def test_noiseless_release_under_per_layer_clipping_is_the_dense_one(wrap):
+  # A table and a dense variable, each its own clipping group: the sparse
+  # release equals the dense one on the touched rows and the other variable.
+  rng = np.random.default_rng(1)
+  table = np.zeros([5, 30, 3], np.float32)
+  for i in range(5):
+    table[i, rng.choice(30, 4, replace=False)] = rng.normal(size=[4, 3])
+  grads = gradients.MaterializedGradients(
+      [table, rng.normal(size=[5, 7]).astype(np.float32)],
+      row_gathered=[True, False])
+  inner = tfdpx.privatizers.per_layer_clipping(gaussian(0.5, 0.0))
+  if wrap == 'adaptive_per_layer':
+    inner = adaptive_clipping(inner, 5.0, count_noise_multiplier=1.0)
+  params = [tf.Variable(table[0]), tf.Variable(tf.zeros([7]))]
+  privatizer = sparse_embeddings(inner)
+  sparse, _ = privatizer.update(grads, privatizer.init(params), _seed(2))
+  dense, _ = inner.update(grads, inner.init(params), _seed(2))
+  np.testing.assert_array_equal(np.sort(sparse[0].indices),
+                                np.flatnonzero(np.any(table != 0, (0, 2))))
+  np.testing.assert_allclose(tf.convert_to_tensor(sparse[0]), dense[0],
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(sparse[1], dense[1], rtol=1e-5, atol=1e-6)

@@ -26,6 +26,7 @@ from tfdpx import noise
 from tfdpx import xla
 from tfdpx.privatizers.adaptive import AdaptiveClipping
 from tfdpx.privatizers.gaussian import Gaussian
+from tfdpx.privatizers.per_layer import PerLayerClipping
 
 _COUNT_STREAM = 'sparse_embeddings/counts'
 _FALSE_POSITIVE_STREAM = 'sparse_embeddings/false_positives'
@@ -34,7 +35,7 @@ _FALSE_POSITIVE_STREAM = 'sparse_embeddings/false_positives'
 def _is_supported(inner: core.Privatizer) -> bool:
   """Whether `inner` releases its clipped sum plus i.i.d. Gaussian noise of
   any shape (so that its noise can cover the selected rows only)."""
-  if isinstance(inner, AdaptiveClipping):
+  if isinstance(inner, (AdaptiveClipping, PerLayerClipping)):
     return _is_supported(inner.inner)
   return isinstance(inner, Gaussian)
 
@@ -67,11 +68,28 @@ class _SelectedRows(gradients.GradientsView):
     return self._grads.materialized()
 
   def weighted_sum(self, weights):
-    dense = [i not in self._tables for i in range(len(self.shapes))]
-    sums = self._grads.weighted_sum_of(weights, dense)
+    return self._sums(weights, [True] * len(self.shapes))
+
+  def weighted_sums(self, weights, rows=None):
+    # Per-layer clipping asks a group's variables at a time.
+    wanted = ([True] * len(self.shapes) if rows is None else
+              [r is not None for r in rows])
+    columns = [self._sums(w, wanted) for w in tf.unstack(weights, axis=1)]
+    return gradients.rows_of_sums(
+        [tf.stack([c[i] for c in columns]) if wanted[i] else None
+         for i in range(len(wanted))], rows)
+
+  def _sums(self, weights, wanted):
+    """The weighted sums of the variables `wanted` (None for the others)."""
+    sums = self._grads.weighted_sum_of(
+        weights, [w and i not in self._tables for i, w in enumerate(wanted)])
+    if not any(wanted[i] for i in self._tables):
+      return sums
     row_sums = self._grads.row_sums(weights)
     for i, touched, selected, false_positives in zip(
         self._tables, self._touched, self._selected, self._false_positives):
+      if not wanted[i]:
+        continue
       rows = tf.boolean_mask(row_sums[i][:touched], selected)
       sums[i] = tf.concat([rows, tf.zeros(
           tf.concat([tf.shape(false_positives), tf.shape(rows)[1:]], 0),
@@ -107,7 +125,9 @@ class SparseEmbeddings(core.Wrapper):
 
   Privacy:
     Each example's gradient over all trainable variables is clipped to
-    `inner`'s `l2_norm_clip` C (adaptively, under `adaptive_clipping`), and
+    `inner`'s `l2_norm_clip` C (adaptively, under `adaptive_clipping`; group
+    by group to norms whose root sum of squares is C, under
+    `per_layer_clipping`), and
     its contribution vector to the counts to L2 norm 1. The release (the
     selected rows and the noisy sums on them) is a function of the counts
     of all rows plus N(0, z_s^2) noise each and the clipped sum of all
@@ -120,8 +140,8 @@ class SparseEmbeddings(core.Wrapper):
   Not supported: virtual batches, several replicas and XLA (the number of
   rows selected is random, and rows touched in different physical batches
   or replicas would have to be matched); inner steps other than `gaussian`
-  and `adaptive_clipping(gaussian(...))` (their noise or state has the
-  shape of the whole table).
+  under `per_layer_clipping` and `adaptive_clipping` (their noise, masks or
+  state have the shape of the whole table).
 
   References:
     Ghazi, Huang, Kamath, Kumar, Manurangsi, Sinha, Zhang, "Sparsity-
@@ -136,8 +156,10 @@ class SparseEmbeddings(core.Wrapper):
   def __init__(self, inner: core.Privatizer, selection_share: float = 0.25,
                false_positive_rate: float = 1e-5):
     """Args:
-      inner: `gaussian(...)` or `adaptive_clipping(gaussian(...))`, or its
-        `tfdpx.serialize`d form; its noise multiplier is the whole step's.
+      inner: `gaussian(...)`, optionally inside `per_layer_clipping` and
+        `adaptive_clipping` (e.g. `adaptive_clipping(per_layer_clipping(
+        gaussian(...)))`), or its `tfdpx.serialize`d form; its noise
+        multiplier is the whole step's.
       selection_share: the share of the step's budget (of `z^-2`) spent on
         the selection, in (0, 1).
       false_positive_rate: the probability that a row no example touched is
@@ -149,9 +171,10 @@ class SparseEmbeddings(core.Wrapper):
     self._set_inner(inner)
     if not _is_supported(self._inner):
       raise ValueError(
-          f'inner: sparse_embeddings takes gaussian(...) or '
-          f'adaptive_clipping(gaussian(...)), got {self._inner.name}: its '
-          'noise or state covers every row of a table')
+          f'inner: sparse_embeddings takes gaussian(...), optionally inside '
+          f'per_layer_clipping and adaptive_clipping, got '
+          f'{self._inner.name}: its noise or state covers every row of a '
+          'table')
     share = core.check_positive('selection_share', selection_share)
     if share >= 1:
       raise ValueError(
