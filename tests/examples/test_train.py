@@ -122,11 +122,18 @@ def test_tfds_path_with_mock_data():
   assert results['steps'] == 2
 
 
-def test_resumed_run_equals_uninterrupted_run(tmp_path):
+SPARSE = ['train.py', '--dataset=zipf_recommendation',
+          '--model=recommendation', '--train_examples=96', '--batch_size=32',
+          '--seed=3', '--verbose=0', '--sparse_embeddings']
+
+
+@pytest.mark.parametrize('args', [TINY, SPARSE], ids=['cnn', 'sparse'])
+def test_resumed_run_equals_uninterrupted_run(args, tmp_path):
   # Without noise, so that the weights must be equal: a resumed run keeps the
-  # optimizer, privatizer state and ledger, but draws fresh noise by design.
-  args = TINY + ['--noise_multiplier=0.0', '--sampling=shuffle', '--optimizer=adam',
-                 '--learning_rate=0.01']
+  # optimizer (Adam's lazy rows too), privatizer state and ledger, but draws
+  # fresh noise by design.
+  args = args + ['--noise_multiplier=0.0', '--sampling=shuffle',
+                 '--optimizer=adam', '--learning_rate=0.01']
   whole = train.run(args + ['--epochs=2',
                             f'--checkpoint_dir={tmp_path / "whole"}'])
   train.run(args + ['--epochs=1', f'--checkpoint_dir={tmp_path / "split"}'])
