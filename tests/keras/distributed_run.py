@@ -133,9 +133,26 @@ def agree():
           for case in chosen}
 
 
+def sparse_refused():
+  """The error sparse_embeddings gives under two replicas (or None)."""
+  ids = np.arange(2 * GLOBAL_BATCH, dtype='int32').reshape(-1, 1) % 5
+  with MIRRORED.scope():
+    model = tfdpx.keras.make_private(tf.keras.Sequential(
+        [tf.keras.layers.Embedding(5, 2, input_length=1),
+         tf.keras.layers.Flatten(), tf.keras.layers.Dense(2)]))
+    model.compile(tfdpx.keras.DPSGD(
+        privatizer=tfdpx.privatizers.sparse_embeddings(gaussian(1.0, 1.0)),
+        expected_batch_size=GLOBAL_BATCH), LOSS)
+  try:
+    model.fit(ids, ids[:, 0] % 2, batch_size=GLOBAL_BATCH, verbose=0)
+  except Exception as e:  # pylint: disable=broad-except
+    return str(e)
+  return None
+
+
 if __name__ == '__main__':
   print(json.dumps({'noise': noise(), 'noise_make_private': noise(private=True),
                     'noise_virtual': noise(private=True,
                                            physical_batch_size=3),
                     'noiseless': noiseless(), 'd2p2': d2p2_noiseless(),
-                    'agree': agree()}))
+                    'agree': agree(), 'sparse_refused': sparse_refused()}))

@@ -64,3 +64,7 @@ def test_replicas_agree_for_every_privatizer(runs):
       runs['agree'])
   assert any(name.startswith('d2p2') for name in runs['agree'])
   assert all(runs['agree'].values()), runs['agree']
+
+
+def test_sparse_embeddings_says_it_runs_on_one_replica(runs):
+  assert 'sparse_embeddings runs on one replica only' in runs['sparse_refused']
