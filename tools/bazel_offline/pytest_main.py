@@ -14,13 +14,19 @@ import pytest
 
 
 class _Deselected:
-  """Counts tests the `-m` expression leaves out."""
+  """Counts tests the `-m` expression leaves out, and files skipped whole
+  (`pytest.skip(..., allow_module_level=True)`: Keras 3's keras-hub tests on
+  Stack A)."""
 
   def __init__(self):
     self.count = 0
 
   def pytest_deselected(self, items):
     self.count += len(items)
+
+  def pytest_collectreport(self, report):
+    if report.skipped:
+      self.count += 1
 
 
 def main(argv):
@@ -31,8 +37,10 @@ def main(argv):
   deselected = _Deselected()
   code = pytest.main(args + argv[1:], plugins=[deselected])
   if code == pytest.ExitCode.NO_TESTS_COLLECTED and deselected.count:
-    # Every test in the file was deselected (all slow): nothing failed.
-    print(f'pytest: all {deselected.count} tests deselected by -m')
+    # Every test in the file was deselected (all slow) or the file was
+    # skipped whole: nothing failed.
+    print(f'pytest: no test to run ({deselected.count} deselected by -m or '
+          'skipped whole)')
     return 0
   return int(code)
 
