@@ -212,6 +212,15 @@ class UnitGradients(gradients.PerExampleGradients):
     return [None if s is None else clipping.zero_rows(s, keep)
             for s in statistics]
 
+  def _kept_weights(self, weights: tf.Tensor) -> tf.Tensor:
+    """float32 `weights` (`[B]` or `[B, K]`), zero on the dropped examples:
+    a dropped example has no weight in any sum, whatever its values."""
+    weights = tf.cast(weights, tf.float32)
+    keep = self._keep_rows()
+    if weights.shape.rank == 2:
+      keep = keep[:, tf.newaxis]
+    return tf.where(keep, weights, 0.0)
+
   def dropped_records(self) -> tf.Tensor:
     """The int32 number of examples dropped for a non-finite gradient."""
     return tf.reduce_sum(tf.cast(tf.logical_not(self._keep_rows()), tf.int32))
@@ -264,7 +273,7 @@ class UnitGradients(gradients.PerExampleGradients):
 
   def weighted_sum_of(self, weights, wanted):
     keep = self._keep_rows()
-    weights = tf.where(keep, tf.cast(weights, tf.float32), 0.0)
+    weights = self._kept_weights(weights)
 
     def of_unit(unit, indices):
       if not any(i is not None and wanted[i] for i in indices):
@@ -286,7 +295,7 @@ class UnitGradients(gradients.PerExampleGradients):
 
   def weighted_sums(self, weights, rows=None):
     keep = self._keep_rows()
-    weights = tf.where(keep[:, tf.newaxis], tf.cast(weights, tf.float32), 0.0)
+    weights = self._kept_weights(weights)
     needed = [True] * len(self._vars) if rows is None else [
         r is not None for r in rows]
     rows = rows or [None] * len(self._vars)
@@ -342,12 +351,12 @@ class UnitGradients(gradients.PerExampleGradients):
     return self._row_answers(lambda unit: unit.rows_touched(keep))
 
   def row_counts(self, weights):
-    weights = tf.where(self._keep_rows(), tf.cast(weights, tf.float32), 0.0)
+    weights = self._kept_weights(weights)
     return self._row_answers(lambda unit: unit.row_counts(weights))
 
   def row_sums(self, weights):
     keep = self._keep_rows()
-    weights = tf.where(keep, tf.cast(weights, tf.float32), 0.0)
+    weights = self._kept_weights(weights)
     return self._row_answers(lambda unit: unit.row_sums(weights, keep))
 
   def _pair(self, i, other: 'UnitGradients'):

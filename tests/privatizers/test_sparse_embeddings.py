@@ -82,12 +82,18 @@ def test_noiseless_release_is_the_clipped_sum_on_the_touched_rows():
                              rtol=1e-5, atol=1e-6)
 
 
-def test_engine_and_dense_reference_release_the_same_rows_with_one_key():
+def _noisy_step():
+  """`(ids, engine, privatizer, state)`: a step that leaves some touched rows
+  out and selects some untouched ones."""
   ids, tap_grad = _lookups(batch=16, vocab=300)
   engine, table = _engine(ids, tap_grad, 300)
   privatizer = sparse_embeddings(gaussian(0.5, 0.3), selection_share=0.5,
                                  false_positive_rate=0.02)
-  state = privatizer.init([table])
+  return ids, engine, privatizer, privatizer.init([table])
+
+
+def test_engine_and_dense_reference_release_the_same_rows_with_one_key():
+  ids, engine, privatizer, state = _noisy_step()
   got, _ = privatizer.update(engine, state, _seed(3))
   want, _ = privatizer.update(_reference(engine), state, _seed(3))
   np.testing.assert_array_equal(got[0].indices, want[0].indices)
@@ -257,11 +263,7 @@ def test_a_padding_row_touches_no_row():
 
 
 def test_update_is_pure_and_keyed_by_the_seed():
-  ids, tap_grad = _lookups(batch=16, vocab=300)
-  engine, table = _engine(ids, tap_grad, 300)
-  privatizer = sparse_embeddings(gaussian(0.5, 0.3), selection_share=0.5,
-                                 false_positive_rate=0.02)
-  state = privatizer.init([table])
+  _, engine, privatizer, state = _noisy_step()
   first, second, other = (privatizer.update(engine, state, _seed(n))[0][0]
                           for n in (4, 4, 5))
   np.testing.assert_array_equal(first.indices, second.indices)
