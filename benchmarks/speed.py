@@ -126,7 +126,13 @@ PRIVATIZERS = {
     # Noise and updates on the embedding rows selected (its defaults).
     'sparse': lambda: privatizers.sparse_embeddings(
         privatizers.gaussian(1.0, 1.0)),
+    # RS's mask on the rows selected (its mask as `sparsified`'s above).
+    'sparse_sparsified': lambda: privatizers.sparsified(
+        privatizers.sparse_embeddings(privatizers.gaussian(1.0, 1.0)), 0.9,
+        epochs=2, steps_per_epoch=1000),
 }
+# Those selecting embedding rows: for models with an Embedding, not under XLA.
+ROW_PRIVATIZERS = ('sparse', 'sparse_sparsified')
 
 
 # --- configurations ------------------------------------------------------------
@@ -159,10 +165,10 @@ def _has_embedding(model_name):
 def configs(model_name):
   names = list(BASELINES)
   for name in privatizer_names():
-    if name == 'sparse' and not _has_embedding(model_name):
-      continue  # It selects rows of embedding tables.
+    if name in ROW_PRIVATIZERS and not _has_embedding(model_name):
+      continue
     names.append(f'tfdpx {name}')
-    if model_name in FLAGS.xla_models and name != 'sparse':  # Not under XLA.
+    if model_name in FLAGS.xla_models and name not in ROW_PRIVATIZERS:
       names.append(f'tfdpx {name} xla')
   if not KERAS_3 and isinstance(MODELS[model_name][0](), tf.keras.Sequential):
     names.append('tf-privacy DPSequential')

@@ -49,8 +49,8 @@ class Privatizer(abc.ABC):
     name: registry key used by `serialize` / `deserialize`.
     requires_public_grads: True when `update` needs `public_grads`.
     releases_rows: True when its release holds `tf.IndexedSlices` (the
-      selected rows of embedding tables): one physical batch and one replica
-      a step.
+      selected rows of embedding tables): a wrapper then may not treat it
+      as dense tensors (`Wrapper.wraps_row_releases`).
   """
 
   name: str = ''
@@ -97,7 +97,7 @@ class Privatizer(abc.ABC):
       public_grads = gradients.as_per_example_gradients(public_grads)
     plan = self.prepare(state, seed, grads, public_grads)
     sums = self.clipped_sums(grads, state, plan)
-    return self.release(global_sums(sums), state, plan, seed)
+    return self.release(self.global_sums(sums), state, plan, seed)
 
   def prepare(self, state: State, seed: tf.Tensor,
               per_example_grads: gradients.PerExampleGradients,
@@ -125,6 +125,22 @@ class Privatizer(abc.ABC):
     raise NotImplementedError(
         f'{type(self).__name__} implements update() only; virtual batches '
         'need clipped_sums() and release()')
+
+  def add_sums(self, sums: Any, more: Any) -> Any:
+    """The clipped sums of two parts of a batch together (virtual batches
+    add each physical batch's): elementwise by default. A privatizer whose
+    sums are keyed by rows (`releases_rows`) merges its row lists here."""
+    return tf.nest.map_structure(tf.add, sums, more)
+
+  def global_sums(self, sums: Any) -> Any:
+    """This replica's clipped sums summed over all replicas (`tf.distribute`;
+    the identity on one): all-reduced by default."""
+    return global_sums(sums)
+
+  def sums_shapes(self, sums: Any) -> Any:
+    """The shapes `add_sums` keeps for all parts of a batch: `sums`' own by
+    default; None where a part's sums grow (rows of embedding tables)."""
+    return tf.nest.map_structure(lambda s: s.shape, sums)
 
   def release(self, sums: Any, state: State, plan: Any,
               seed: tf.Tensor) -> Tuple[List[tf.Tensor], State]:

@@ -391,6 +391,19 @@ class GradientsView(PerExampleGradients):
   def batch_size(self):
     return self._grads.batch_size()
 
+  # The rows touched are `g`'s: a view scales or masks the rows of each
+  # example, and a row whose every looked-up coordinate a mask zeroes still
+  # counts (it only adds rows; each example's contribution stays its own).
+  # `row_sums` is each view's own.
+  def row_gathered(self):
+    return self._grads.row_gathered()
+
+  def rows_touched(self):
+    return self._grads.rows_touched()
+
+  def row_counts(self, weights):
+    return self._grads.row_counts(weights)
+
 
 class MaskedGradients(GradientsView):
   """`m_v * g_iv` for per-variable masks `m_v` that do not depend on the data."""
@@ -424,6 +437,18 @@ class MaskedGradients(GradientsView):
   def materialized(self):
     return [g * tf.cast(m, g.dtype)[tf.newaxis]
             for g, m in zip(self._grads.materialized(), self._masks)]
+
+  def weighted_sum_of(self, weights, wanted):
+    return [None if s is None else s * tf.cast(m, s.dtype)
+            for s, m in zip(self._grads.weighted_sum_of(weights, wanted),
+                            self._masks)]
+
+  def row_sums(self, weights):
+    counts = self._grads.row_counts(weights)
+    return [None if s is None else s * tf.cast(tf.gather(
+        m, tf.minimum(c.rows, m.shape[0] - 1)), s.dtype)  # Sentinels: 0 sums.
+            for s, c, m in zip(self._grads.row_sums(weights), counts,
+                               self._masks)]
 
 
 class ScaledGradients(GradientsView):
@@ -466,15 +491,6 @@ class ScaledGradients(GradientsView):
   def materialized(self):
     return [g * tf.cast(self._scale, g.dtype)
             for g in self._grads.materialized()]
-
-  def row_gathered(self):
-    return self._grads.row_gathered()
-
-  def rows_touched(self):
-    return self._grads.rows_touched()
-
-  def row_counts(self, weights):
-    return self._grads.row_counts(weights)
 
   def row_sums(self, weights):
     return self._grads.row_sums(weights * self._scale)

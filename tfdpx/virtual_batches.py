@@ -101,14 +101,16 @@ def update(privatizer: core.Privatizer, state: core.State, seed: tf.Tensor,
     grads, extras_of = chunk(i)
     more = privatizer.clipped_sums(grads, state, plan)
     extras = tf.nest.flatten(extras_of())
-    return (i + 1, tf.nest.map_structure(tf.add, sums, more),
+    return (i + 1, privatizer.add_sums(sums, more),
             [a.write(i, e) for a, e in zip(arrays, extras)])
 
   # One physical batch at a time: that is the memory the loop is for.
   _, sums, arrays = tf.while_loop(
       lambda i, *_: i < num_chunks, body, (tf.constant(1), sums, arrays),
+      shape_invariants=(tf.TensorShape([]), privatizer.sums_shapes(sums),
+                        [tf.TensorShape(None)] * len(arrays)),
       parallel_iterations=1)
-  noisy_sum, new_state = privatizer.release(core.global_sums(sums), state,
+  noisy_sum, new_state = privatizer.release(privatizer.global_sums(sums), state,
                                             plan, seed)
   return noisy_sum, new_state, tf.nest.pack_sequence_as(
       extras, [a.stack() for a in arrays])

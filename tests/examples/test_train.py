@@ -37,16 +37,19 @@ def test_every_privatizer_trains_end_to_end(name):
   assert 'epsilon' in results['history'][0]
 
 
-@pytest.mark.parametrize('dataset', ['zipf_recommendation', 'zipf_text'])
-def test_sparse_embeddings_train_on_the_synthetic_ids(dataset):
+@pytest.mark.parametrize('dataset, extra', [
+    ('zipf_recommendation', []), ('zipf_text', []),
+    ('zipf_text', ['--sparsify', '--physical_batch_size=12'])])
+def test_sparse_embeddings_train_on_the_synthetic_ids(dataset, extra):
   results = train.run([
       'train.py', f'--dataset={dataset}', f'--model={dataset[5:]}',
       '--train_examples=96', '--batch_size=32', '--epochs=1', '--seed=3',
       '--verbose=0', '--optimizer=adam', '--learning_rate=0.01',
       '--sparse_embeddings', '--false_positive_rate=0.01',
-      '--target_epsilon=8'])
+      '--target_epsilon=8'] + extra)
   assert 0 < results['epsilon'] <= 8
   assert 'sparse_embeddings' in results['statement']
+  assert ('sparsified' in results['statement']) == ('--sparsify' in extra)
   # The rows selected a step: released indices, logged with epsilon.
   assert results['history'][0]['selected_rows'] > 0
 

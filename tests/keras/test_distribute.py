@@ -66,5 +66,14 @@ def test_replicas_agree_for_every_privatizer(runs):
   assert all(runs['agree'].values()), runs['agree']
 
 
-def test_sparse_embeddings_says_it_runs_on_one_replica(runs):
-  assert 'sparse_embeddings runs on one replica only' in runs['sparse_refused']
+@pytest.mark.parametrize('engine', ['mirrored', 'mirrored_virtual'])
+def test_sparse_embeddings_under_two_replicas_equals_single_device(runs,
+                                                                   engine):
+  # The selection drawn once per global step, on the rows of both replicas.
+  result = runs['sparse']
+  for a, b in zip(result[engine], result['single']):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert result[engine + '_replicas_agree']
+  changed = set(result['single_changed_rows'])
+  assert changed - set(range(12)), 'no false positive was selected'
+  assert set(range(12)) - changed, 'every touched row was selected'

@@ -13,6 +13,7 @@ from tfdpx import accounting
 from tfdpx import gradients
 from tfdpx import noise
 from tfdpx import per_example
+from tfdpx import virtual_batches
 from tfdpx.forms import embedding
 from tfdpx.privatizers import adaptive_clipping
 from tfdpx.privatizers import dpdr
@@ -240,8 +241,6 @@ def test_refuses_what_it_cannot_run():
 
 def test_other_wrappers_refuse_to_wrap_it():
   inner = sparse_embeddings(gaussian(1.0, 1.0))
-  with pytest.raises(ValueError, match='inner: sparsified cannot wrap'):
-    tfdpx.privatizers.sparsified(inner, 0.5, epochs=2, steps_per_epoch=10)
   with pytest.raises(ValueError, match='inner'):
     adaptive_clipping(inner, 64.0)
   with pytest.raises(ValueError, match='inner: per_layer_clipping cannot'):
@@ -294,3 +293,102 @@ def test_noiseless_release_under_per_layer_clipping_is_the_dense_one(wrap):
   np.testing.assert_allclose(tf.convert_to_tensor(sparse[0]), dense[0],
                              rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(sparse[1], dense[1], rtol=1e-5, atol=1e-6)
+
+
+def _two_tables(batch=11, seed=3):
+  """Two lookups (tables of 300 x 3 and 50 x 2) and a dense variable, as one
+  model's per-example gradients: `(variables, gradients_of(rows))`, where
+  `gradients_of(rows)` answers for the batch rows `rows` (a 1-D tensor; a
+  row past the batch is a padding row: its ids looked up, zero gradient)."""
+  rng = np.random.default_rng(seed)
+  ids = [rng.integers(0, 300, size=[batch, 6]), rng.integers(0, 50, [batch, 2])]
+  tap_grads = [rng.normal(size=[batch, 6, 3]), rng.normal(size=[batch, 2, 2])]
+  dense = rng.normal(size=[batch, 4])
+  params = [tf.Variable(tf.zeros([300, 3])), tf.Variable(tf.zeros([50, 2])),
+            tf.Variable(tf.zeros([4]))]
+
+  def gradients_of(rows):
+    def taken(x):  # Padding rows: id 0, zero gradient.
+      padded = np.concatenate([x, np.zeros_like(x[:1])], 0)
+      return tf.gather(tf.constant(padded), tf.minimum(rows, batch))
+    units = [embedding.EmbeddingUnit(p, taken(i), tf.cast(taken(g), tf.float32))
+             for p, i, g in zip(params, ids, tap_grads)]
+    lookups = per_example.UnitGradients(params[:2], units, tf.size(rows))
+    return gradients.MaterializedGradients(
+        lookups.materialized() + [tf.cast(taken(dense), tf.float32)],
+        row_gathered=[True, True, False])
+
+  return params, gradients_of
+
+
+@pytest.mark.parametrize('physical_batch_size', [1, 4, 11])
+@pytest.mark.parametrize('wrap', ['gaussian', 'adaptive_per_layer',
+                                  'sparsified'])
+def test_virtual_batches_release_what_the_whole_batch_releases(
+    physical_batch_size, wrap):
+  # Same key: the same rows selected and the same noisy values, whatever the
+  # split (a row touched in several physical batches counted once, padding
+  # rows touching nothing), with rows left out and false positives in.
+  params, gradients_of = _two_tables()
+  inner = gaussian(0.5, 0.3)
+  if wrap == 'adaptive_per_layer':
+    inner = adaptive_clipping(tfdpx.privatizers.per_layer_clipping(inner),
+                              11.0, count_noise_multiplier=1.0)
+  privatizer = sparse_embeddings(inner, selection_share=0.5,
+                                 false_positive_rate=0.02)
+  state = privatizer.init(params)
+  if wrap == 'sparsified':  # In a window zeroing half the coordinates.
+    privatizer = tfdpx.privatizers.sparsified(privatizer, 0.5, epochs=2,
+                                              steps_per_epoch=1)
+    state = {**privatizer.init(params), 'step': tf.constant(1, tf.int64)}
+  whole, whole_state = privatizer.update(gradients_of(tf.range(11)), state,
+                                         _seed(6))
+  num_chunks = -(-11 // physical_batch_size)
+
+  def chunk(i):
+    return gradients_of(tf.range(physical_batch_size) +
+                        i * physical_batch_size), tuple
+  parts, parts_state, _ = virtual_batches.update(
+      privatizer, state, _seed(6), tf.constant(num_chunks), chunk)
+  for a, b in zip(whole[:2], parts[:2]):
+    np.testing.assert_array_equal(a.indices, b.indices)
+    np.testing.assert_allclose(a.values, b.values, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(whole[2], parts[2], rtol=1e-5, atol=1e-6)
+  for a, b in zip(tf.nest.flatten(whole_state), tf.nest.flatten(parts_state)):
+    np.testing.assert_allclose(a, b, rtol=1e-5)
+  touched = set(np.flatnonzero(np.any(
+      gradients_of(tf.range(11)).materialized()[0] != 0, (0, 2))))
+  released = set(whole[0].indices.numpy())
+  assert 0 < len(touched & released) < len(touched) and released - touched
+
+
+@pytest.mark.parametrize('noise_multiplier', [0.0, 1.0])
+def test_random_sparsification_masks_the_selected_rows(noise_multiplier):
+  # sparsified around it, in a window zeroing half the coordinates: without
+  # noise the release is the dense RS release on the touched rows; with
+  # noise the masked coordinates of the selected rows carry no noise, the
+  # others do.
+  params, gradients_of = _two_tables()
+  grads = gradients_of(tf.range(11))
+
+  def rs(inner):
+    return tfdpx.privatizers.sparsified(inner, 0.5, epochs=2,
+                                        steps_per_epoch=1)
+  privatizer = rs(sparse_embeddings(gaussian(0.5, noise_multiplier),
+                                    false_positive_rate=0.3))
+  state = {**privatizer.init(params), 'step': tf.constant(1, tf.int64)}
+  released, _ = privatizer.update(grads, state, _seed(8))
+  masks = privatizer.masks(1, [p.shape for p in params])
+  if noise_multiplier == 0:
+    dense = rs(gaussian(0.5, 0.0))
+    want, _ = dense.update(grads, {**dense.init(params), 'step': state['step']},
+                           _seed(8))
+    for got, wanted in zip(released, want):
+      np.testing.assert_allclose(tf.convert_to_tensor(got), wanted,
+                                 rtol=1e-5, atol=1e-6)
+    return
+  for table, mask in zip(released[:2], masks[:2]):
+    kept = tf.gather(mask, table.indices).numpy() > 0
+    values = table.values.numpy()
+    assert np.all(values[~kept] == 0) and np.all(values[kept] != 0)
+    assert 0.3 < kept.mean() < 0.7

@@ -423,11 +423,6 @@ class DPOptimizerMixin:
     if self._num_microbatches is not None:
       raise ValueError('num_microbatches cannot be combined with virtual '
                        'batches (physical_batch_size)')
-    if self._privatizer.releases_rows:
-      raise ValueError(
-          f'{self._privatizer.name} cannot be combined with virtual batches '
-          '(physical_batch_size): the rows it selects are matched within one '
-          'physical batch')
     self._check_public_grads(public_grads)
     extras = []
 

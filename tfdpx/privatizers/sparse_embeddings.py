@@ -40,20 +40,45 @@ def _is_supported(inner: core.Privatizer) -> bool:
   return isinstance(inner, Gaussian)
 
 
-class _SelectedRows(gradients.GradientsView):
-  """The gradients an inner step sums, with each table's sum on its selected
-  rows only (the touched rows selected, from `row_sums`, then zero rows for
-  the untouched false positives) instead of the whole `[rows, dim]` sum:
-  the inner step's noise then covers exactly the selected rows. Norms and
-  the other variables are the gradients' own."""
+def _variable_sums(privatizer: core.Privatizer, sums) -> list:
+  """The per-variable sums inside the clipped sums of a supported inner step
+  (`_is_supported`): `gaussian`'s own, under its wrappers' extras."""
+  if isinstance(privatizer, AdaptiveClipping):
+    return _variable_sums(privatizer.inner, sums['inner'])
+  if isinstance(privatizer, PerLayerClipping):
+    return _variable_sums(privatizer.inner, sums)
+  return list(sums)
 
-  def __init__(self, grads: gradients.PerExampleGradients, tables, touched,
-               selected, false_positives):
+
+def _with_variable_sums(privatizer: core.Privatizer, sums, variable_sums):
+  """`sums` with its per-variable sums replaced by `variable_sums`."""
+  if isinstance(privatizer, AdaptiveClipping):
+    return {**sums, 'inner': _with_variable_sums(
+        privatizer.inner, sums['inner'], variable_sums)}
+  if isinstance(privatizer, PerLayerClipping):
+    return _with_variable_sums(privatizer.inner, sums, variable_sums)
+  return list(variable_sums)
+
+
+def _merged(table):
+  """A table's sums whose rows repeat (parts of a batch concatenated) on
+  distinct rows, ascending: the values of each row summed."""
+  rows, _ = tf.unique(tf.sort(table['rows']))  # Unique keeps the order.
+  position = tf.searchsorted(rows, table['rows'])
+  return {'rows': rows, **{
+      key: tf.math.unsorted_segment_sum(table[key], position, tf.size(rows))
+      for key in ('counts', 'row_sums')}}
+
+
+class _TouchedRows(gradients.GradientsView):
+  """The gradients an inner step sums, with each table's sum on the rows
+  this batch touches only (`row_sums`, ascending rows) instead of the whole
+  `[rows, dim]` sum. Norms and the other variables are the gradients' own."""
+
+  def __init__(self, grads: gradients.PerExampleGradients, tables, touched):
     super().__init__(grads)
     self._tables = tables
     self._touched = touched  # Per table, how many distinct rows it has.
-    self._selected = selected  # Per table, which of those are selected.
-    self._false_positives = false_positives
 
   def sq_norms(self):
     return self._grads.sq_norms()
@@ -86,14 +111,9 @@ class _SelectedRows(gradients.GradientsView):
     if not any(wanted[i] for i in self._tables):
       return sums
     row_sums = self._grads.row_sums(weights)
-    for i, touched, selected, false_positives in zip(
-        self._tables, self._touched, self._selected, self._false_positives):
-      if not wanted[i]:
-        continue
-      rows = tf.boolean_mask(row_sums[i][:touched], selected)
-      sums[i] = tf.concat([rows, tf.zeros(
-          tf.concat([tf.shape(false_positives), tf.shape(rows)[1:]], 0),
-          rows.dtype)], 0)
+    for i, touched in zip(self._tables, self._touched):
+      if wanted[i]:
+        sums[i] = row_sums[i][:touched]
     return sums
 
 
@@ -137,11 +157,15 @@ class SparseEmbeddings(core.Wrapper):
     `gaussian` inner (add/remove one example). The released row indices are
     part of the release and covered by it.
 
-  Not supported: virtual batches, several replicas and XLA (the number of
-  rows selected is random, and rows touched in different physical batches
-  or replicas would have to be matched); inner steps other than `gaussian`
-  under `per_layer_clipping` and `adaptive_clipping` (their noise, masks or
-  state have the shape of the whole table).
+  Virtual batches and replicas: each physical batch's counts and clipped
+  sums are kept on the rows it touches; the parts are merged row by row
+  (`add_sums`, `global_sums`: the replicas' rows gathered) and the
+  selection is drawn once, on the logical global batch's counts, in
+  `release`.
+
+  Not supported: XLA (the number of rows selected is random); inner steps
+  other than `gaussian` under `per_layer_clipping` and `adaptive_clipping`
+  (their noise, masks or state have the shape of the whole table).
 
   References:
     Ghazi, Huang, Kamath, Kumar, Manurangsi, Sinha, Zhang, "Sparsity-
@@ -251,9 +275,6 @@ class SparseEmbeddings(core.Wrapper):
       raise ValueError(
           'sparse_embeddings does not run under XLA (the number of rows '
           'selected is random): compile with jit_compile=False')
-    context = tf.distribute.get_replica_context()
-    if context is not None and context.num_replicas_in_sync > 1:
-      raise ValueError('sparse_embeddings runs on one replica only')
     # Data-independent: a Bernoulli process over each table's rows.
     candidates = [
         noise.bernoulli_positions(
@@ -269,9 +290,6 @@ class SparseEmbeddings(core.Wrapper):
                 state['inner'], seed, per_example_grads, public_grads)}
 
   def clipped_sums(self, per_example_grads, state, plan):
-    # The selection is drawn here (keyed by the plan), so that the inner
-    # step sums and noises the selected rows only: these sums are not
-    # additive over physical batches or replicas (both refused).
     grads = gradients.as_per_example_gradients(per_example_grads)
     tables = plan['tables']
     touched_per_example = grads.rows_touched()
@@ -283,31 +301,77 @@ class SparseEmbeddings(core.Wrapper):
     row_counts = grads.row_counts(weights)
     touched = [tf.reduce_sum(tf.cast(row_counts[i].rows < shape[0], tf.int32))
                for i, shape in plan['shapes'].items()]
-    rows = [row_counts[i].rows[:n] for i, n in zip(tables, touched)]
-    counts = [row_counts[i].counts[:n] for i, n in zip(tables, touched)]
-    draws = noise.gaussian_like(counts, self.selection_noise_multiplier,
-                                plan['count_key'])
-    selected, false_positives, released = [], [], []
-    for i, row, count, draw, candidates in zip(tables, rows, counts, draws,
-                                               plan['candidates']):
-      selected.append(count + draw > self.threshold)
-      # A candidate on a touched row is that row's own test's to decide.
-      padded = tf.concat([row, [plan['shapes'][i][0]]], 0)  # A sentinel.
-      false_positives.append(tf.boolean_mask(candidates, tf.not_equal(
-          tf.gather(padded, tf.searchsorted(padded, candidates)),
-          candidates)))
-      released.append(tf.concat([tf.boolean_mask(row, selected[-1]),
-                                 false_positives[-1]], 0))
-    view = _SelectedRows(grads, tables, touched, selected, false_positives)
-    return {'inner': self._gradient_inner.clipped_sums(view, state['inner'],
-                                                       plan['inner']),
-            'rows': released}
+    inner_sums = self._gradient_inner.clipped_sums(
+        _TouchedRows(grads, tables, touched), state['inner'], plan['inner'])
+    variable_sums = _variable_sums(self._gradient_inner, inner_sums)
+    row_sums = [variable_sums[i] for i in tables]
+    for i in tables:  # The tables' sums are keyed by rows: apart.
+      variable_sums[i] = tf.zeros([], variable_sums[i].dtype)
+    return {
+        'inner': _with_variable_sums(self._gradient_inner, inner_sums,
+                                     variable_sums),
+        'tables': [{'rows': row_counts[i].rows[:n],
+                    'counts': row_counts[i].counts[:n], 'row_sums': sums}
+                   for i, n, sums in zip(tables, touched, row_sums)]}
+
+  def add_sums(self, sums, more):
+    return {'inner': super().add_sums(sums['inner'], more['inner']),
+            'tables': [_merged(tf.nest.map_structure(
+                lambda a, b: tf.concat([a, b], 0), part, other))
+                       for part, other in zip(sums['tables'], more['tables'])]}
+
+  def global_sums(self, sums):
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+      return sums
+    # Every replica's rows, then merged: the same global sums everywhere.
+    return {'inner': super().global_sums(sums['inner']),
+            'tables': [_merged(tf.nest.map_structure(
+                lambda t: context.all_gather(t, axis=0), table))
+                       for table in sums['tables']]}
+
+  def sums_shapes(self, sums):
+    return {'inner': super().sums_shapes(sums['inner']),
+            'tables': tf.nest.map_structure(  # Rows: as many as touched.
+                lambda t: tf.TensorShape([None]).concatenate(t.shape[1:]),
+                sums['tables'])}
 
   def release(self, sums, state, plan, seed):
+    # The selection: noise on the counts of the rows the (logical) batch
+    # touches. A row looked up with a zero gradient (by a padding row) has
+    # count 0: untouched, it is left to the false positives, and the draws
+    # go to the touched rows in ascending order however the batch was split.
+    touched = [t['counts'] > 0 for t in sums['tables']]
+    counts = [tf.boolean_mask(t['counts'], m)
+              for t, m in zip(sums['tables'], touched)]
+    draws = noise.gaussian_like(counts, self.selection_noise_multiplier,
+                                plan['count_key'])
+    variable_sums = _variable_sums(self._gradient_inner, sums['inner'])
+    released = []
+    for i, table, mask, count, draw, candidates in zip(
+        plan['tables'], sums['tables'], touched, counts, draws,
+        plan['candidates']):
+      rows, row_sums = table['rows'], table['row_sums']
+      selected = tf.scatter_nd(tf.where(mask), count + draw > self.threshold,
+                               tf.shape(mask, out_type=tf.int64))
+      # A candidate on a touched row is that row's own test's to decide.
+      padded = tf.concat([tf.boolean_mask(rows, mask),
+                          [plan['shapes'][i][0]]], 0)  # A sentinel.
+      false_positives = tf.boolean_mask(candidates, tf.not_equal(
+          tf.gather(padded, tf.searchsorted(padded, candidates)), candidates))
+      released.append(tf.concat([tf.boolean_mask(rows, selected),
+                                 false_positives], 0))
+      # A false positive's sum is zero: the inner step's noise alone.
+      zeros = tf.zeros(tf.concat([tf.shape(false_positives),
+                                  tf.shape(row_sums)[1:]], 0), row_sums.dtype)
+      variable_sums[i] = tf.concat([tf.boolean_mask(row_sums, selected),
+                                    zeros], 0)
     noisy_sum, inner_state = self._gradient_inner.release(
-        sums['inner'], state['inner'], plan['inner'], seed)
+        _with_variable_sums(self._gradient_inner, sums['inner'],
+                            variable_sums),
+        state['inner'], plan['inner'], seed)
     noisy_sum, selected_rows = list(noisy_sum), state['selected_rows']
-    for i, rows in zip(plan['tables'], sums['rows']):
+    for i, rows in zip(plan['tables'], released):
       noisy_sum[i] = tf.IndexedSlices(
           noisy_sum[i], rows, dense_shape=tf.constant(plan['shapes'][i],
                                                       tf.int64))

@@ -112,6 +112,17 @@ def smallest_keys(bits: tf.Tensor, count, candidates: int = None) -> tf.Tensor:
                  every_pass)
 
 
+def _masked(release, mask):
+  """`release * mask`; for the selected rows of a table (`tf.IndexedSlices`,
+  `sparse_embeddings`) the mask's rows."""
+  if isinstance(release, tf.IndexedSlices):
+    values = release.values
+    return tf.IndexedSlices(
+        values * tf.cast(tf.gather(mask, release.indices), values.dtype),
+        release.indices, release.dense_shape)
+  return release * tf.cast(mask, release.dtype)
+
+
 def _check_int(name: str, value, minimum: int) -> int:
   """Validates an integer argument >= `minimum`; raises ValueError naming it."""
   try:
@@ -165,7 +176,11 @@ class Sparsified(core.Wrapper):
     N(0, (noise_multiplier * l2_norm_clip)^2) noise); masking the output is
     post-processing. One step is therefore exactly the inner privatizer's
     event, `inner.dp_event(step)`, under the inner privatizer's adjacency
-    (add/remove one example). RS neither costs nor saves privacy.
+    (add/remove one example). RS neither costs nor saves privacy. Around
+    `sparse_embeddings` the same holds: it clips and counts the masked
+    gradients (an example's row counts where its unmasked gradient is not
+    zero: still its own contribution), and the mask multiplies the
+    selected rows it releases.
 
   References:
     Zhu & Blaschko, "Improving Differentially Private SGD via Randomly
@@ -173,6 +188,7 @@ class Sparsified(core.Wrapper):
   """
 
   name = 'sparsified'
+  wraps_row_releases = True  # Its mask is gathered on the released rows.
 
   def __init__(self,
                inner: core.Privatizer,
@@ -344,12 +360,23 @@ class Sparsified(core.Wrapper):
     return self._inner.clipped_sums(grads.masked(plan['masks']),
                                     state['inner'], plan['inner'])
 
+  # Its sums are the inner step's (of the masked gradients), and add up as
+  # the inner step's do (by row, around `sparse_embeddings`).
+  def add_sums(self, sums, more):
+    return self._inner.add_sums(sums, more)
+
+  def global_sums(self, sums):
+    return self._inner.global_sums(sums)
+
+  def sums_shapes(self, sums):
+    return self._inner.sums_shapes(sums)
+
   def release(self, sums, state, plan, seed):
     noisy_sum, inner_state = self._inner.release(sums, state['inner'],
                                                  plan['inner'], seed)
     # The mask broadcasts over any leading axis: one mask for all.
     masks = plan['masks']
-    return [t * tf.cast(m, t.dtype) for t, m in zip(noisy_sum, masks)], {
+    return [_masked(t, m) for t, m in zip(noisy_sum, masks)], {
         'inner': inner_state,
         'step': tf.convert_to_tensor(state['step'], tf.int64) + 1,
         'window': plan['window'], 'masks': masks}
