@@ -5,8 +5,7 @@ Example `i` looks up ids `ids_i` (`[T]`) and gets output gradients `D_i`
 the sum of `D_i[t]` over the positions `t` with `ids_i[t] = u`. So each
 (example, id) pair present in the batch is one row `R` of a segment sum, and
 every statistic is a segment sum over those rows. Cost `O(B T dim)` (plus a
-hash of the `B T` (example, id) keys; under XLA a sort); a `[B, vocab, dim]`
-tensor is formed only by
+sort of the `B T` ids); a `[B, vocab, dim]` tensor is formed only by
 `materialized()`, the escape hatch. Inner products with the gradients of
 another batch (`cross_grams`) join the two batches' pairs on their ids.
 """
@@ -61,39 +60,28 @@ class EmbeddingUnit(unit.Unit):
     ids = tf.reshape(tf.cast(ids, tf.int64), [batch, -1])
     batch64 = tf.cast(batch, tf.int64)
     example = tf.broadcast_to(tf.range(batch64)[:, tf.newaxis], tf.shape(ids))
-    # Id-major keys: sorted, the pairs come out sorted by id.
+    # Id-major keys: the pairs come out sorted by id, so the weighted sum
+    # into the table is a sorted segment sum too.
     keys = tf.reshape(ids * batch64 + example, [-1])
-    flat_grad = tf.reshape(tap_grad, [-1, self._dim])
-    # One segment per (example, id) pair present. Outside XLA by hashing
-    # (`tf.unique`, pairs in the order they first occur): the sort of every
-    # key took 2.5 of the 5.8 ms the text benchmark's pairs took to build,
-    # and the gather of the rows in its order 1.7 (TF 2.15; 2.0 ms whole by
-    # hashing; TF 2.21: 6.4 against 5.5). XLA has no `tf.unique`: there the
-    # keys are sorted, and the pairs with them.
-    self._sorted = xla.in_xla()
-    if not self._sorted:
-      pair, slot_pair = tf.unique(keys)
-      self._pairs = tf.size(pair)
-      self._rows = tf.math.unsorted_segment_sum(flat_grad, slot_pair,
-                                                self._pairs)
-    else:
-      # The slots past the number of pairs stay empty (zero rows) and take
-      # the last pair's key, so that ids stay sorted.
-      order = tf.argsort(keys)
-      keys = tf.gather(keys, order)
-      first = tf.concat([[True], tf.not_equal(keys[1:], keys[:-1])], axis=0)
-      segment = tf.cumsum(tf.cast(first, tf.int32)) - 1
-      slots = tf.size(keys)
-      self._pairs = tf.reduce_sum(tf.cast(first, tf.int32))
-      # Each segment's key, read at its first position (an int32 segment
-      # minimum: int64 segment reductions have no GPU kernel).
-      start = tf.math.unsorted_segment_min(tf.range(slots), segment, slots)
-      pair = tf.gather(keys, tf.gather(
-          start, tf.minimum(tf.range(slots), self._pairs - 1)))
-      self._rows = sorted_segment_sum(tf.gather(flat_grad, order), segment,
-                                      slots)
+    # One segment per (example, id) pair present, by sorting (tf.unique has
+    # no XLA kernel). The slots past the number of pairs stay empty (zero
+    # rows) and take the last pair's key, so that ids stay sorted.
+    order = tf.argsort(keys)
+    keys = tf.gather(keys, order)
+    first = tf.concat([[True], tf.not_equal(keys[1:], keys[:-1])], axis=0)
+    segment = tf.cumsum(tf.cast(first, tf.int32)) - 1
+    slots = tf.size(keys)
+    self._pairs = tf.reduce_sum(tf.cast(first, tf.int32))
+    # Each segment's key, read at its first position (an int32 segment
+    # minimum: int64 segment reductions have no GPU kernel).
+    start = tf.math.unsorted_segment_min(tf.range(slots), segment, slots)
+    pair = tf.gather(keys, tf.gather(
+        start, tf.minimum(tf.range(slots), self._pairs - 1)))
     self._example = tf.cast(pair % batch64, tf.int32)
     self._id = tf.cast(pair // batch64, tf.int32)
+    self._rows = sorted_segment_sum(
+        tf.gather(tf.reshape(tap_grad, [-1, self._dim]), order), segment,
+        slots)
     self._sq_norms = None
 
   def _per_example(self, per_pair: tf.Tensor) -> tf.Tensor:
@@ -165,16 +153,10 @@ class EmbeddingUnit(unit.Unit):
       scale = tf.where(inside, scale, tf.zeros_like(scale))
     # Dense [vocab, dim]: the noise covers the rows no example touched too.
     # A window maps the ids outside it to 0: no longer sorted.
-    total = self._segment_sum(rows * scale[:, tf.newaxis], ids, size,
-                              sorted_ids=inside is None)
+    segment_sum = (tf.math.unsorted_segment_sum if inside is not None else
+                   sorted_segment_sum)
+    total = segment_sum(rows * scale[:, tf.newaxis], ids, size)
     return [tf.cast(total, self._table.dtype)]
-
-  def _segment_sum(self, data, segment_ids, num_segments, sorted_ids=True):
-    """A segment sum over the pairs, by the sorted op where the pairs are
-    sorted by id and `segment_ids` follow the ids (`sorted_ids`)."""
-    if self._sorted and sorted_ids:
-      return sorted_segment_sum(data, segment_ids, num_segments)
-    return tf.math.unsorted_segment_sum(data, segment_ids, num_segments)
 
   # --- row forms: the touched rows only, never `[vocab, dim]` ----------------
 
@@ -190,11 +172,8 @@ class EmbeddingUnit(unit.Unit):
                           self._pair_sq_norms() > 0)
 
   def _row_segments(self) -> tf.Tensor:
-    """Each slot's row among the distinct ids, in ascending order of id
-    (sorted pairs: the empty slots join the last pair's row)."""
-    if not self._sorted:
-      rows, segment = tf.unique(self._id)  # Only the distinct ids sorted.
-      return tf.gather(tf.math.invert_permutation(tf.argsort(rows)), segment)
+    """Each slot's row among the distinct ids, in order (pairs are sorted
+    by id; the empty slots join the last pair's row)."""
     first = tf.concat([[True], tf.not_equal(self._id[1:], self._id[:-1])], 0)
     return tf.cumsum(tf.cast(first, tf.int32)) - 1
 
@@ -213,14 +192,14 @@ class EmbeddingUnit(unit.Unit):
     weight = tf.where(self._touching(), tf.gather(weights, self._example),
                       0.0)
     return [gradients.RowCounts(
-        rows, self._segment_sum(weight, segment, slots))]
+        rows, sorted_segment_sum(weight, segment, slots))]
 
   def row_sums(self, weights, keep):
     rows = clipping.zero_rows(self._rows, tf.gather(keep, self._example),
                               many_rows=True)
     scale = tf.cast(tf.gather(weights, self._example), rows.dtype)
-    return [tf.cast(self._segment_sum(rows * scale[:, tf.newaxis],
-                                      self._row_segments(), tf.size(self._id)),
+    return [tf.cast(sorted_segment_sum(rows * scale[:, tf.newaxis],
+                                       self._row_segments(), tf.size(self._id)),
                     self._table.dtype)]
 
   def cross_gram_form(self, other):
