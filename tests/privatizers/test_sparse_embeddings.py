@@ -150,12 +150,20 @@ def test_selection_noise_and_contribution_bound_match_the_event(
   assert all(abs(w - expected) > 2 * tolerance for w in wrong)
 
 
-def test_false_positives_at_the_tail_rate_with_the_gradient_noise():
+@pytest.mark.parametrize('sparsified', [False, True])
+def test_false_positives_at_the_tail_rate_with_the_gradient_noise(sparsified):
+  # With `sparsified` around it (a window zeroing half the coordinates) the
+  # coordinates the mask keeps carry the same noise, the others none.
   vocab, rate, clip, z = 100_000, 2e-3, 0.5, 1.0
   ids, tap_grad = _lookups(batch=8, vocab=10, dim=4)
   engine, table = _engine(ids, tap_grad, vocab)
-  privatizer = sparse_embeddings(gaussian(clip, z), false_positive_rate=rate)
-  state = privatizer.init([table])
+  selection = sparse_embeddings(gaussian(clip, z), false_positive_rate=rate)
+  privatizer, state = selection, selection.init([table])
+  if sparsified:
+    privatizer = tfdpx.privatizers.sparsified(selection, 0.5, epochs=2,
+                                              steps_per_epoch=1)
+    state = {**privatizer.init([table]), 'step': tf.constant(1, tf.int64)}
+    mask = privatizer.masks(1, [table.shape])[0].numpy()
   found, values = 0, []
   for seed in range(5):
     noisy, _ = privatizer.update(engine, state, _seed(seed))
@@ -164,16 +172,22 @@ def test_false_positives_at_the_tail_rate_with_the_gradient_noise():
     assert indices.min() >= 0 and indices.max() < vocab
     false = indices >= 10
     found += int(false.sum())
-    values.append(noisy[0].values.numpy()[false])
+    released = noisy[0].values.numpy()[false]
+    if sparsified:
+      kept = mask[indices[false]] > 0
+      assert np.all(released[~kept] == 0)
+      released = released[kept]
+    values.append(released)
   trials = 5 * (vocab - 10)
   tolerance = stats.Z * math.sqrt(trials * rate * (1 - rate))
   assert abs(found - trials * rate) < tolerance
   # A false positive's sum is zero: what is released there is the gradient
   # noise alone, with the std the event names for the gradient.
-  assert privatizer.gradient_noise_multiplier == pytest.approx(
+  assert selection.gradient_noise_multiplier == pytest.approx(
       z / math.sqrt(0.75))
+  assert privatizer.dp_event(0) == selection.dp_event(0)
   assert stats.std_matches(np.concatenate(values),
-                           privatizer.gradient_noise_multiplier * clip)
+                           selection.gradient_noise_multiplier * clip)
   assert not stats.std_matches(np.concatenate(values), z * clip)
 
 
