@@ -406,3 +406,20 @@ def test_random_sparsification_masks_the_selected_rows(noise_multiplier):
     values = table.values.numpy()
     assert np.all(values[~kept] == 0) and np.all(values[kept] != 0)
     assert 0.3 < kept.mean() < 0.7
+
+
+def test_engine_and_dense_reference_release_the_same_masked_rows():
+  # sparsified around it: the engine's masked row forms against the masked
+  # materialized gradients, one noise key.
+  ids, engine, selection, _ = _noisy_step()
+  privatizer = tfdpx.privatizers.sparsified(selection, 0.5, epochs=2,
+                                            steps_per_epoch=1)
+  table = tf.Variable(tf.zeros([300, 3]))
+  state = {**privatizer.init([table]), 'step': tf.constant(1, tf.int64)}
+  got, _ = privatizer.update(engine, state, _seed(3))
+  want, _ = privatizer.update(_reference(engine), state, _seed(3))
+  np.testing.assert_array_equal(got[0].indices, want[0].indices)
+  np.testing.assert_allclose(got[0].values, want[0].values, rtol=1e-5,
+                             atol=1e-6)
+  assert np.any(got[0].values.numpy() == 0)  # Masked coordinates.
+  assert set(got[0].indices.numpy()) & set(np.unique(ids))
