@@ -66,3 +66,18 @@ def test_every_results_file_is_cited_and_filed_under_its_date():
   for name in stored:
     folder = name.split('/')[0]
     assert re.fullmatch(r'\d{4}-\d\d-\d\d', folder), name
+
+
+def test_the_readme_example_trains_and_prints_its_epsilon(capsys):
+  """README's first Python block, on 600 random digits for 2 epochs."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  readme = _documents()[0].read_text()
+  code = re.search(r'```python\n(.*?)```', readme, flags=re.DOTALL).group(1)
+  assert 'epochs=15' in code
+  rng = np.random.default_rng(0)
+  namespace = {'x_train': rng.random((600, 28, 28), dtype=np.float32),
+               'y_train': rng.integers(0, 10, 600)}
+  exec(code.replace('epochs=15', 'epochs=2'), namespace)  # pylint: disable=exec-used
+  printed = capsys.readouterr().out
+  assert 'epsilon (RDP accountant, Poisson sampling)' in printed
+  assert namespace['optimizer'].iterations.numpy() > 0
