@@ -266,6 +266,20 @@ def test_the_command_writes_one_line_per_audit(tmp_path, capsys):
   assert rows[1]['claim_rejected'] in (True, False)
   printed = capsys.readouterr().out
   assert '| gaussian | 16 |' in printed and 'claim rejected' in printed
+  assert '| caught |' in printed
+
+
+def test_a_run_is_caught_by_its_rejected_claim_or_a_bound_above_its_epsilon():
+  row = {'printed_epsilon': 2.0, 'epsilon_lower_bound': 1.9,
+         'gaussian_epsilon': 2.5, 'claim_rejected': False}
+  assert not command.caught(row)  # The Gaussian epsilon alone catches nothing.
+  assert command.caught({**row, 'claim_rejected': True})
+  assert command.caught({**row, 'epsilon_lower_bound': 2.1})
+  assert not command.caught({**row, 'claim_rejected': None})
+
+
+def test_the_command_audits_with_10000_canaries_by_default():
+  assert command._parser().parse_args([]).num_canaries == 10000
 
 
 def test_the_command_names_an_unknown_privatizer(capsys):
