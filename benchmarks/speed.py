@@ -126,13 +126,16 @@ PRIVATIZERS = {
     # Noise and updates on the embedding rows selected (its defaults).
     'sparse': lambda: privatizers.sparse_embeddings(
         privatizers.gaussian(1.0, 1.0)),
+    # DPDR's decomposition on the rows selected (its defaults: 50 steps).
+    'sparse_dpdr': lambda: privatizers.sparse_embeddings(
+        privatizers.dpdr(1.0, 1.0)),
     # RS's mask on the rows selected (its mask as `sparsified`'s above).
     'sparse_sparsified': lambda: privatizers.sparsified(
         privatizers.sparse_embeddings(privatizers.gaussian(1.0, 1.0)), 0.9,
         epochs=2, steps_per_epoch=1000),
 }
 # Those selecting embedding rows: for models with an Embedding, not under XLA.
-ROW_PRIVATIZERS = ('sparse', 'sparse_sparsified')
+ROW_PRIVATIZERS = ('sparse', 'sparse_dpdr', 'sparse_sparsified')
 
 
 # --- configurations ------------------------------------------------------------

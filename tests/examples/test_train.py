@@ -130,11 +130,14 @@ SPARSE = ['train.py', '--dataset=zipf_recommendation',
           '--seed=3', '--verbose=0', '--sparse_embeddings']
 
 
-@pytest.mark.parametrize('args', [TINY, SPARSE], ids=['cnn', 'sparse'])
+@pytest.mark.parametrize(
+    'args', [TINY, SPARSE, SPARSE + ['--privatizer=dpdr']],
+    ids=['cnn', 'sparse', 'sparse_dpdr'])
 def test_resumed_run_equals_uninterrupted_run(args, tmp_path):
   # Without noise, so that the weights must be equal: a resumed run keeps the
-  # optimizer (Adam's lazy rows too), privatizer state and ledger, but draws
-  # fresh noise by design.
+  # optimizer (Adam's lazy rows too), privatizer state (DPDR's base on the
+  # rows the last step released) and ledger, but draws fresh noise by
+  # design.
   args = args + ['--noise_multiplier=0.0', '--sampling=shuffle',
                  '--optimizer=adam', '--learning_rate=0.01']
   whole = train.run(args + ['--epochs=2',

@@ -27,12 +27,18 @@ def _data(first_id, last_id, n=64, seed=0):
   return tf.data.Dataset.from_tensor_slices((ids, labels)).batch(BATCH), ids
 
 
+INNER = {'gaussian': privatizers.gaussian,
+         # Decomposing at every step after the first.
+         'dpdr': lambda clip, z: privatizers.dpdr(clip, z,
+                                                  decomposition_steps=100)}
+
+
 def _private(optimizer_class, noise_multiplier, physical_batch_size=None,
-             **kwargs):
+             inner='gaussian', **kwargs):
   model = tfdpx.keras.make_private(_model(),
                                    physical_batch_size=physical_batch_size)
   privatizer = privatizers.sparse_embeddings(
-      privatizers.gaussian(1.0, noise_multiplier), false_positive_rate=1e-9)
+      INNER[inner](1.0, noise_multiplier), false_positive_rate=1e-9)
   model.compile(optimizer_class(privatizer=privatizer, noise_seed=3,
                                 expected_batch_size=BATCH, **kwargs),
                 tf.keras.losses.SparseCategoricalCrossentropy(
@@ -59,12 +65,16 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize('name', sorted(OPTIMIZERS))
-def test_rows_not_selected_get_no_update(name):
+@pytest.mark.parametrize('name, inner', [
+    *((name, 'gaussian') for name in sorted(OPTIMIZERS)),
+    ('sgd', 'dpdr'), ('adam', 'dpdr')])
+def test_rows_not_selected_get_no_update(name, inner):
   # Without noise every touched row is selected, and no other: a row the
   # second data set does not touch must keep the value the first gave it,
-  # which dense Adam or momentum (decaying moments over all rows) breaks.
-  model = _private(OPTIMIZERS[name], 0.0)
+  # which dense Adam or momentum (decaying moments over all rows) breaks,
+  # and so would dense DPDR (its base, on the first set's rows, is part of
+  # each release).
+  model = _private(OPTIMIZERS[name], 0.0, inner=inner)
   first, first_ids = _data(0, 100)
   second, second_ids = _data(200, 300, seed=1)
   assert _changed_rows(model, lambda: model.fit(first, verbose=0)) == set(
@@ -92,14 +102,17 @@ def test_numpy_input_and_history_are_as_with_dense_training():
   assert np.isfinite(history.history['loss'][0])
 
 
-@pytest.mark.parametrize('name', ['sgd', 'adam'])
-def test_virtual_batches_train_as_whole_batches(name):
+@pytest.mark.parametrize('name, inner', [('sgd', 'gaussian'),
+                                         ('adam', 'gaussian'),
+                                         ('sgd', 'dpdr')])
+def test_virtual_batches_train_as_whole_batches(name, inner):
   # Physical batches of 5 rows (the last one of each batch of 16 padded):
   # the same noisy rows selected and the same weights after an epoch. Counts
   # of about 4 against a threshold of 3.6 in two steps: some rows are
   # selected, not all.
   data, _ = _data(0, 8, n=2 * BATCH)
-  whole, parts = (_private(OPTIMIZERS[name], 0.3, physical_batch_size=size)
+  whole, parts = (_private(OPTIMIZERS[name], 0.3, physical_batch_size=size,
+                           inner=inner)
                   for size in (None, 5))
   assert 0 < len(_changed_rows(whole, lambda: whole.fit(data, verbose=0))) < 8
   parts.fit(data, verbose=0)

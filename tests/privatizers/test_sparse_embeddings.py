@@ -204,9 +204,12 @@ def test_bernoulli_positions_are_a_bernoulli_process(chunk):
   assert noise.bernoulli_positions(size, 0.0, _seed(5)).shape == [0]
 
 
-def test_one_step_costs_the_noise_multiplier_it_names():
+@pytest.mark.parametrize('inner', [gaussian, dpdr])
+def test_one_step_costs_the_noise_multiplier_it_names(inner):
+  # DPDR: its 49 decomposition steps too (each the composition of its two
+  # parts at sigma_eff z_g, and the selection).
   z, q, steps, delta = 1.3, 0.01, 500, 1e-5
-  privatizer = sparse_embeddings(gaussian(1.0, z), selection_share=0.3)
+  privatizer = sparse_embeddings(inner(1.0, z), selection_share=0.3)
   got = accounting.epsilon(privatizer, steps=steps, sampling_probability=q,
                            delta=delta)
   # Independently: the two Gaussian releases of each sampled batch, z_s and
@@ -241,7 +244,7 @@ def test_calibration_and_config_keep_the_split():
 
 def test_refuses_what_it_cannot_run():
   with pytest.raises(ValueError, match='inner'):
-    sparse_embeddings(dpdr(1.0, 1.0))
+    sparse_embeddings(tfdpx.privatizers.d2p2(1.0))
   with pytest.raises(ValueError, match='selection_share'):
     sparse_embeddings(gaussian(1.0, 1.0), selection_share=1.0)
   with pytest.raises(ValueError, match='false_positive_rate'):
@@ -423,3 +426,106 @@ def test_engine_and_dense_reference_release_the_same_masked_rows():
                              atol=1e-6)
   assert np.any(got[0].values.numpy() == 0)  # Masked coordinates.
   assert set(got[0].indices.numpy()) & set(np.unique(ids))
+
+
+def _dpdr_state(privatizer, params, base_rows, step=1, seed=4):
+  """`privatizer`'s (around DPDR) state at step `step` with a base on the
+  tables' rows `base_rows` (a unit vector per variable), as after a step
+  that released those rows."""
+  rng = np.random.default_rng(seed)
+  base = []
+  for i, p in enumerate(params):
+    b = rng.normal(size=p.shape).astype(np.float32)
+    if i < len(base_rows):
+      b[np.setdiff1d(np.arange(p.shape[0]), base_rows[i])] = 0
+    norm = np.linalg.norm(b)
+    base.append(tf.constant(b / norm if norm else b))
+  state = privatizer.init(params)
+  inner = {**state['inner'], 'step': tf.constant(step, tf.int64),
+           'base': base}
+  return {**state, 'inner': inner}, inner
+
+
+def test_dpdr_releases_its_dense_release_on_the_selected_rows():
+  # A decomposition step without noise, every touched row selected: on them
+  # and on the dense variable the release is dense DPDR's (a base on rows
+  # the batch touches and on rows it does not), and the next base is the
+  # release normalized, zero on every other row.
+  params, gradients_of = _two_tables()
+  grads = gradients_of(tf.range(11))
+  inner = dpdr(0.5, 0.0, decomposition_steps=5)
+  privatizer = sparse_embeddings(inner)
+  state, dense_state = _dpdr_state(privatizer, params,
+                                   [np.arange(0, 300, 2), np.arange(25)])
+  got, got_state = privatizer.update(grads, state, _seed(2))
+  want, want_state = inner.update(grads, dense_state, _seed(2))
+  base = got_state['inner']['base']
+  for i in range(2):
+    touched = np.flatnonzero(np.any(grads.materialized()[i] != 0, (0, 2)))
+    np.testing.assert_array_equal(np.sort(got[i].indices), touched)
+    np.testing.assert_allclose(got[i].values, tf.gather(want[i],
+                                                        got[i].indices),
+                               rtol=1e-5, atol=1e-6)
+    # Dense DPDR releases the base's part on rows no example touched too.
+    untouched = np.setdiff1d(np.arange(params[i].shape[0]), touched)
+    assert np.any(want[i].numpy()[untouched] != 0)
+    expected = np.zeros(params[i].shape, np.float32)
+    expected[got[i].indices.numpy()] = (got[i].values.numpy() /
+                                        np.linalg.norm(got[i].values))
+    np.testing.assert_allclose(base[i], expected, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(base[2], want_state['base'][2], rtol=1e-5)
+  assert got_state['inner']['step'] == 2
+  # The decomposition did something: the release is not DP-SGD's.
+  dp_sgd, _ = sparse_embeddings(gaussian(0.5, 0.0)).update(
+      grads, sparse_embeddings(gaussian(0.5, 0.0)).init(params), _seed(2))
+  assert not np.allclose(tf.convert_to_tensor(got[0]),
+                         tf.convert_to_tensor(dp_sgd[0]), atol=1e-4)
+
+
+def test_dpdr_engine_and_dense_reference_release_the_same_rows_with_one_key():
+  ids, engine, _, _ = _noisy_step()
+  privatizer = sparse_embeddings(dpdr(0.5, 0.3, decomposition_steps=5),
+                                 selection_share=0.5, false_positive_rate=0.02)
+  table = tf.Variable(tf.zeros([300, 3]))
+  state, _ = _dpdr_state(privatizer, [table], [np.unique(ids)[::2]])
+  got, got_state = privatizer.update(engine, state, _seed(3))
+  want, want_state = privatizer.update(_reference(engine), state, _seed(3))
+  np.testing.assert_array_equal(got[0].indices, want[0].indices)
+  np.testing.assert_allclose(got[0].values, want[0].values, rtol=1e-5,
+                             atol=1e-6)
+  np.testing.assert_allclose(got_state['inner']['base'][0],
+                             want_state['inner']['base'][0], rtol=1e-5,
+                             atol=1e-7)
+  touched = set(np.unique(ids))
+  assert 0 < len(touched & set(got[0].indices.numpy())) < len(touched)
+  assert set(got[0].indices.numpy()) - touched
+
+
+@pytest.mark.parametrize('step', [0, 1])
+def test_dpdr_noise_on_the_released_rows_matches_its_event(step):
+  # A false positive's sums are zero. At a decomposition step (1), with a
+  # zero base on the table, what is released there is the orthogonal part's
+  # noise alone, std z_perp C with z_perp = z_g / sqrt(1 - alpha_share); at
+  # a DP-SGD step (0), z_g C. Two-sided: each rejects the other's std.
+  vocab, rate, clip, z, share = 100_000, 2e-3, 0.5, 1.0, 0.5
+  ids, tap_grad = _lookups(batch=8, vocab=10, dim=4)
+  engine, table = _engine(ids, tap_grad, vocab)
+  inner = dpdr(clip, z, decomposition_steps=5, alpha_share=share)
+  privatizer = sparse_embeddings(inner, false_positive_rate=rate)
+  state, _ = _dpdr_state(privatizer, [table], [np.arange(0)], step=step)
+  values = []
+  for seed in range(5):
+    noisy, new_state = privatizer.update(engine, state, _seed(seed))
+    false = noisy[0].indices.numpy() >= 10
+    values.append(noisy[0].values.numpy()[false])
+    base = new_state['inner']['base'][0].numpy()
+    assert set(np.flatnonzero(np.any(base != 0, 1))) <= set(
+        noisy[0].indices.numpy())
+  z_g = privatizer.gradient_noise_multiplier
+  perp = z_g / math.sqrt(1 - share)
+  want, other = (perp, z_g) if step else (z_g, perp)
+  values = np.concatenate(values)
+  assert values.size > 1000
+  assert stats.std_matches(values, want * clip)
+  assert not stats.std_matches(values, other * clip)

@@ -25,6 +25,7 @@ from tfdpx import gradients
 from tfdpx import noise
 from tfdpx import xla
 from tfdpx.privatizers.adaptive import AdaptiveClipping
+from tfdpx.privatizers.dpdr import DPDR
 from tfdpx.privatizers.gaussian import Gaussian
 from tfdpx.privatizers.per_layer import PerLayerClipping
 
@@ -33,20 +34,24 @@ _FALSE_POSITIVE_STREAM = 'sparse_embeddings/false_positives'
 
 
 def _is_supported(inner: core.Privatizer) -> bool:
-  """Whether `inner` releases its clipped sum plus i.i.d. Gaussian noise of
-  any shape (so that its noise can cover the selected rows only)."""
+  """Whether `inner` releases a sum of clipped records plus i.i.d. Gaussian
+  noise of any shape per variable (so that its noise can cover the selected
+  rows only), with no state but per-variable tensors `_state_on_rows` knows."""
   if isinstance(inner, (AdaptiveClipping, PerLayerClipping)):
     return _is_supported(inner.inner)
-  return isinstance(inner, Gaussian)
+  return isinstance(inner, (Gaussian, DPDR))
 
 
 def _variable_sums(privatizer: core.Privatizer, sums) -> list:
   """The per-variable sums inside the clipped sums of a supported inner step
-  (`_is_supported`): `gaussian`'s own, under its wrappers' extras."""
+  (`_is_supported`): `gaussian`'s own, DPDR's sums of the whole gradients,
+  under its wrappers' extras."""
   if isinstance(privatizer, AdaptiveClipping):
     return _variable_sums(privatizer.inner, sums['inner'])
   if isinstance(privatizer, PerLayerClipping):
     return _variable_sums(privatizer.inner, sums)
+  if isinstance(privatizer, DPDR):
+    return list(sums['grads'])
   return list(sums)
 
 
@@ -57,7 +62,37 @@ def _with_variable_sums(privatizer: core.Privatizer, sums, variable_sums):
         privatizer.inner, sums['inner'], variable_sums)}
   if isinstance(privatizer, PerLayerClipping):
     return _with_variable_sums(privatizer.inner, sums, variable_sums)
+  if isinstance(privatizer, DPDR):
+    return {**sums, 'grads': list(variable_sums)}
   return list(variable_sums)
+
+
+def _state_on_rows(privatizer: core.Privatizer, state, released,
+                   shapes=None):
+  """A supported inner step's state with its per-variable tensors of each
+  table (DPDR's base) on the table's released rows only.
+
+  Args:
+    privatizer: a supported inner step (`_is_supported`).
+    state: its state.
+    released: `{variable index: rows}`, each table's released rows.
+    shapes: None to gather each table's tensor on its rows; else
+      `{variable index: table shape}`, and the tensors (on the rows) are
+      scattered back into the table's shape, zero elsewhere.
+
+  Returns:
+    The state, only the tables' per-variable tensors changed.
+  """
+  if isinstance(privatizer, (AdaptiveClipping, PerLayerClipping)):
+    return {**state, 'inner': _state_on_rows(privatizer.inner, state['inner'],
+                                             released, shapes)}
+  if not isinstance(privatizer, DPDR):
+    return state
+  base = list(state['base'])
+  for i, rows in released.items():
+    base[i] = (tf.gather(base[i], rows) if shapes is None else
+               tf.scatter_nd(rows[:, tf.newaxis], base[i], shapes[i]))
+  return {**state, 'base': base}
 
 
 def _merged(table):
@@ -139,6 +174,14 @@ class SparseEmbeddings(core.Wrapper):
      result as `tf.IndexedSlices` of the selected rows; the other variables
      as `inner` releases them.
 
+  With `dpdr` inside, the release is DPDR's restricted to the selected rows:
+  its base `b` (the previous release normalized) is zero on a table except
+  on the rows the last step released; each example's coefficients along `b`
+  and orthogonal part are DPDR's, clipped as DPDR clips them, and the step
+  releases `alpha * b + g_perp` on the selected rows. DPDR keeps `b` as one
+  tensor of each table's shape: memory and a pass per step that grow with
+  the table, not with the rows touched.
+
   `inner`'s noise multiplier `z` names the whole step: the selection gets
   `z_s = z / sqrt(selection_share)` and the gradient
   `z_g = z / sqrt(1 - selection_share)`, so that `z_s^-2 + z_g^-2 = z^-2`.
@@ -147,15 +190,18 @@ class SparseEmbeddings(core.Wrapper):
     Each example's gradient over all trainable variables is clipped to
     `inner`'s `l2_norm_clip` C (adaptively, under `adaptive_clipping`; group
     by group to norms whose root sum of squares is C, under
-    `per_layer_clipping`), and
-    its contribution vector to the counts to L2 norm 1. The release (the
-    selected rows and the noisy sums on them) is a function of the counts
-    of all rows plus N(0, z_s^2) noise each and the clipped sum of all
-    coordinates plus N(0, (z_g C)^2) noise each, two Gaussian mechanisms on
-    the same batch: one step is `ComposedDpEvent([inner's event at z_g,
+    `per_layer_clipping`; under `dpdr`'s decomposition steps its
+    coefficient vector and orthogonal part to their own norms, as `dpdr`
+    says), and its contribution vector to the counts to L2 norm 1. The
+    release (the selected rows and the noisy sums on them) is a function of
+    the counts of all rows plus N(0, z_s^2) noise each and of `inner`'s
+    release at `z_g` over all coordinates (for `gaussian` the clipped sum
+    plus N(0, (z_g C)^2) noise each; for `dpdr` its two noisy sums, whose
+    base is a function of earlier releases): Gaussian mechanisms on the same
+    batch, one step is `ComposedDpEvent([inner's event at z_g,
     GaussianDpEvent(z_s)])`, with effective noise multiplier `z` for a
-    `gaussian` inner (add/remove one example). The released row indices are
-    part of the release and covered by it.
+    `gaussian` or default-split `dpdr` inner (add/remove one example). The
+    released row indices are part of the release and covered by it.
 
   Virtual batches and replicas: each physical batch's counts and clipped
   sums are kept on the rows it touches; the parts are merged row by row
@@ -164,8 +210,9 @@ class SparseEmbeddings(core.Wrapper):
   `release`.
 
   Not supported: XLA (the number of rows selected is random); inner steps
-  other than `gaussian` under `per_layer_clipping` and `adaptive_clipping`
-  (their noise, masks or state have the shape of the whole table).
+  other than `gaussian` and `dpdr` under `per_layer_clipping` and
+  `adaptive_clipping` (their projections, bases or angles are of the whole
+  gradient).
 
   References:
     Ghazi, Huang, Kamath, Kumar, Manurangsi, Sinha, Zhang, "Sparsity-
@@ -180,10 +227,10 @@ class SparseEmbeddings(core.Wrapper):
   def __init__(self, inner: core.Privatizer, selection_share: float = 0.25,
                false_positive_rate: float = 1e-5):
     """Args:
-      inner: `gaussian(...)`, optionally inside `per_layer_clipping` and
-        `adaptive_clipping` (e.g. `adaptive_clipping(per_layer_clipping(
-        gaussian(...)))`), or its `tfdpx.serialize`d form; its noise
-        multiplier is the whole step's.
+      inner: `gaussian(...)` or `dpdr(...)`, optionally inside
+        `per_layer_clipping` and `adaptive_clipping` (e.g.
+        `adaptive_clipping(per_layer_clipping(gaussian(...)))`), or its
+        `tfdpx.serialize`d form; its noise multiplier is the whole step's.
       selection_share: the share of the step's budget (of `z^-2`) spent on
         the selection, in (0, 1).
       false_positive_rate: the probability that a row no example touched is
@@ -195,8 +242,8 @@ class SparseEmbeddings(core.Wrapper):
     self._set_inner(inner)
     if not _is_supported(self._inner):
       raise ValueError(
-          f'inner: sparse_embeddings takes gaussian(...), optionally inside '
-          f'per_layer_clipping and adaptive_clipping, got '
+          f'inner: sparse_embeddings takes gaussian(...) or dpdr(...), '
+          f'optionally inside per_layer_clipping and adaptive_clipping, got '
           f'{self._inner.name}: its noise or state covers every row of a '
           'table')
     share = core.check_positive('selection_share', selection_share)
@@ -366,10 +413,16 @@ class SparseEmbeddings(core.Wrapper):
                                   tf.shape(row_sums)[1:]], 0), row_sums.dtype)
       variable_sums[i] = tf.concat([tf.boolean_mask(row_sums, selected),
                                     zeros], 0)
+    # DPDR's base on a table is zero off the rows the last step released:
+    # its release (and its next base) covers the released rows only.
+    released_rows = dict(zip(plan['tables'], released))
     noisy_sum, inner_state = self._gradient_inner.release(
         _with_variable_sums(self._gradient_inner, sums['inner'],
                             variable_sums),
-        state['inner'], plan['inner'], seed)
+        _state_on_rows(self._gradient_inner, state['inner'], released_rows),
+        plan['inner'], seed)
+    inner_state = _state_on_rows(self._gradient_inner, inner_state,
+                                 released_rows, plan['shapes'])
     noisy_sum, selected_rows = list(noisy_sum), state['selected_rows']
     for i, rows in zip(plan['tables'], released):
       noisy_sum[i] = tf.IndexedSlices(
