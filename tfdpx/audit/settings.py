@@ -94,6 +94,15 @@ def _sparse_loose(z, steps, expected_batch_size):
                                        false_positive_rate=0.2)
 
 
+def _sparse_dpdr_loose(z, steps, expected_batch_size):
+  del expected_batch_size
+  # DPDR on the selected rows, decomposing every step but the first, with
+  # the loose threshold above: its reconstruction on the canaries' rows.
+  return privatizers.sparse_embeddings(
+      privatizers.dpdr(L2_NORM_CLIP, z, decomposition_steps=steps),
+      selection_share=0.75, false_positive_rate=0.2)
+
+
 # Each builder takes (noise_multiplier, steps, expected_batch_size).
 PRIVATIZERS = {
     'gaussian': _gaussian,
@@ -106,6 +115,7 @@ PRIVATIZERS = {
     'per_layer_clipping': _per_layer,
     'sparse_embeddings': _sparse,
     'sparse_embeddings_loose': _sparse_loose,
+    'sparse_embeddings_dpdr_loose': _sparse_dpdr_loose,
 }
 
 
