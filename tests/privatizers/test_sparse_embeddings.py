@@ -245,6 +245,9 @@ def test_calibration_and_config_keep_the_split():
 def test_refuses_what_it_cannot_run():
   with pytest.raises(ValueError, match='inner'):
     sparse_embeddings(tfdpx.privatizers.d2p2(1.0))
+  with pytest.raises(ValueError, match='inner: .* got geodp'):  # Named inside.
+    sparse_embeddings(adaptive_clipping(tfdpx.privatizers.geodp(1.0, 1.0),
+                                        64.0))
   with pytest.raises(ValueError, match='selection_share'):
     sparse_embeddings(gaussian(1.0, 1.0), selection_share=1.0)
   with pytest.raises(ValueError, match='false_positive_rate'):

@@ -33,13 +33,18 @@ _COUNT_STREAM = 'sparse_embeddings/counts'
 _FALSE_POSITIVE_STREAM = 'sparse_embeddings/false_positives'
 
 
+def _noise_step(inner: core.Privatizer) -> core.Privatizer:
+  """The noise step inside `inner`'s clipping wrappers."""
+  while isinstance(inner, (AdaptiveClipping, PerLayerClipping)):
+    inner = inner.inner
+  return inner
+
+
 def _is_supported(inner: core.Privatizer) -> bool:
   """Whether `inner` releases a sum of clipped records plus i.i.d. Gaussian
   noise of any shape per variable (so that its noise can cover the selected
   rows only), with no state but per-variable tensors `_state_on_rows` knows."""
-  if isinstance(inner, (AdaptiveClipping, PerLayerClipping)):
-    return _is_supported(inner.inner)
-  return isinstance(inner, (Gaussian, DPDR))
+  return isinstance(_noise_step(inner), (Gaussian, DPDR))
 
 
 def _variable_sums(privatizer: core.Privatizer, sums) -> list:
@@ -244,8 +249,8 @@ class SparseEmbeddings(core.Wrapper):
       raise ValueError(
           f'inner: sparse_embeddings takes gaussian(...) or dpdr(...), '
           f'optionally inside per_layer_clipping and adaptive_clipping, got '
-          f'{self._inner.name}: its noise or state covers every row of a '
-          'table')
+          f'{_noise_step(self._inner).name}: its noise, mask, projection, '
+          'basis or angles cover every row of a table')
     share = core.check_positive('selection_share', selection_share)
     if share >= 1:
       raise ValueError(
