@@ -201,12 +201,6 @@ class FunctionalConstructor:
                      **engine)
 
 
-def unconverted(function):
-  """`function` as it is: Keras 2 converts a subclassed layer's `call` with
-  AutoGraph only where the caller is converted, so the engine is."""
-  return function
-
-
 # Keras's recurrent loop (masks, direction, unrolling), for the recurrent rules.
 rnn = tf.keras.backend.rnn
 

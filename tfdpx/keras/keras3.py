@@ -163,11 +163,6 @@ class FunctionalConstructor:
     super().__init__(inputs, outputs, name=name, **engine)
 
 
-# Keras 3 layers run unconverted inside a `tf.function` (Keras is on
-# AutoGraph's list of modules it does not convert): so can the engine that
-# calls them, which spares converting it at every first trace (seconds).
-unconverted = tf.autograph.experimental.do_not_convert
-
 # Keras's recurrent loop (masks, direction, unrolling), for the recurrent rules.
 rnn = keras_backend.rnn
 

@@ -550,7 +550,6 @@ def traced(model, inputs, use_rules, var_list):
   batch, or specs): for an eager step, and for `tfdpx.keras.describe`."""
   found = []
 
-  @keras_version.unconverted
   def forward(inputs):
     with tf.GradientTape(persistent=True) as tape:
       recorder = Recorder(tape, use_rules, var_list)
@@ -785,7 +784,6 @@ def _fallback_unit(call: _FallbackCall, output_grads, chunk_size,
   return unit
 
 
-@keras_version.unconverted
 def model_gradients(model: tf.keras.Model, inputs: Any,
                     per_example_loss: Callable[[Any], tf.Tensor],
                     var_list: Sequence[tf.Variable],
