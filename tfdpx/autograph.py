@@ -33,12 +33,10 @@ def _rule_is_set() -> bool:
              rule.matches(MODULE) for rule in _config.CONVERSION_RULES)
 
 
-def leave_unconverted() -> bool:
-  """Adds tfdpx to AutoGraph's modules it does not convert, once; whether it
-  is there."""
+def leave_unconverted() -> None:
+  """Adds tfdpx to AutoGraph's modules it does not convert, once."""
   if _config is None or not hasattr(_config, 'CONVERSION_RULES'):
-    return False
+    return
   if not _rule_is_set():
     _config.CONVERSION_RULES = (
         _config_lib.DoNotConvert(MODULE),) + tuple(_config.CONVERSION_RULES)
-  return True

@@ -15,7 +15,7 @@ BATCH = 8
 
 class SignFlip(L.Layer):
   """Python control flow on a tensor: a graph only once AutoGraph converts
-  `call` (Keras 2 does where its caller is converted, as `fit`'s is)."""
+  `call` (Keras 2 does wherever AutoGraph's status is on, as in `fit`)."""
 
   def call(self, inputs):
     if tf.reduce_sum(inputs) > 0:
