@@ -225,8 +225,8 @@ class RowCounts(NamedTuple):
   Attributes:
     rows: int32 `[N]`, distinct rows ascending, every row touched among
       them (a row only looked up with a zero gradient may be too, with count
-      0); slots past their number hold the table's row count (a sentinel
-      past every row).
+      0); under XLA, where shapes are static, slots past their number may
+      hold the table's row count (a sentinel past every row).
     counts: float32 `[N]`, per row the sum of the weights of the examples
       touching it (0 in the sentinel slots).
   """

@@ -43,6 +43,12 @@ def sorted_segment_sum(data: tf.Tensor, segment_ids: tf.Tensor,
   return sums
 
 
+def _starts(sorted_keys: tf.Tensor) -> tf.Tensor:
+  """`[n]` bool: where a run of equal keys starts (empty for `n = 0`)."""
+  return tf.concat([tf.ones_like(sorted_keys[:1], tf.bool),
+                    tf.not_equal(sorted_keys[1:], sorted_keys[:-1])], 0)
+
+
 class EmbeddingUnit(unit.Unit):
   """The share of an embedding lookup `table[ids]` of the per-example gradients."""
 
@@ -64,25 +70,33 @@ class EmbeddingUnit(unit.Unit):
     # into the table is a sorted segment sum too.
     keys = tf.reshape(ids * batch64 + example, [-1])
     # One segment per (example, id) pair present, by sorting (tf.unique has
-    # no XLA kernel). The slots past the number of pairs stay empty (zero
-    # rows) and take the last pair's key, so that ids stay sorted.
+    # no XLA kernel).
     order = tf.argsort(keys)
     keys = tf.gather(keys, order)
-    first = tf.concat([[True], tf.not_equal(keys[1:], keys[:-1])], axis=0)
+    first = _starts(keys)
     segment = tf.cumsum(tf.cast(first, tf.int32)) - 1
-    slots = tf.size(keys)
-    self._pairs = tf.reduce_sum(tf.cast(first, tf.int32))
-    # Each segment's key, read at its first position (an int32 segment
-    # minimum: int64 segment reductions have no GPU kernel).
-    start = tf.math.unsorted_segment_min(tf.range(slots), segment, slots)
-    pair = tf.gather(keys, tf.gather(
-        start, tf.minimum(tf.range(slots), self._pairs - 1)))
+    grads = tf.gather(tf.reshape(tap_grad, [-1, self._dim]), order)
+    if xla.in_xla():
+      # Static shapes: a slot per lookup. The slots past the number of pairs
+      # stay empty (zero rows) and take the last pair's key, so that ids
+      # stay sorted; each segment's key is read at its first position (an
+      # int32 segment minimum: int64 segment reductions have no GPU kernel).
+      slots = tf.size(keys)
+      self._pairs = tf.reduce_sum(tf.cast(first, tf.int32))
+      start = tf.math.unsorted_segment_min(tf.range(slots), segment, slots)
+      pair = tf.gather(keys, tf.gather(
+          start, tf.minimum(tf.range(slots), self._pairs - 1)))
+      self._rows = tf.math.unsorted_segment_sum(grads, segment, slots)
+    else:
+      # A slot per pair (`_pairs` None): no empty slots to fill and pad
+      # (the pads alone took 1.5 ms of the text benchmark's step).
+      self._pairs = None
+      pair = tf.boolean_mask(keys, first)
+      self._rows = tf.math.segment_sum(grads, segment)
     self._example = tf.cast(pair % batch64, tf.int32)
     self._id = tf.cast(pair // batch64, tf.int32)
-    self._rows = sorted_segment_sum(
-        tf.gather(tf.reshape(tap_grad, [-1, self._dim]), order), segment,
-        slots)
     self._sq_norms = None
+    self._segments = None
 
   def _per_example(self, per_pair: tf.Tensor) -> tf.Tensor:
     """Sums a `[U, ...]` statistic of the pairs over each example's pairs."""
@@ -168,14 +182,20 @@ class EmbeddingUnit(unit.Unit):
     its gradient is not zero, not merely the ids it looks up, so that a
     padding row of a fixed-shape batch (sample weight 0: zero gradients)
     touches none."""
-    return tf.logical_and(tf.range(tf.size(self._id)) < self._pairs,
-                          self._pair_sq_norms() > 0)
+    return self._filled(self._pair_sq_norms() > 0)
+
+  def _filled(self, mask: tf.Tensor) -> tf.Tensor:
+    """`mask` on the slots holding a pair only (all of them outside XLA)."""
+    if self._pairs is None:
+      return mask
+    return tf.logical_and(tf.range(tf.size(self._id)) < self._pairs, mask)
 
   def _row_segments(self) -> tf.Tensor:
     """Each slot's row among the distinct ids, in order (pairs are sorted
-    by id; the empty slots join the last pair's row)."""
-    first = tf.concat([[True], tf.not_equal(self._id[1:], self._id[:-1])], 0)
-    return tf.cumsum(tf.cast(first, tf.int32)) - 1
+    by id; the empty slots join the last pair's row), once."""
+    if self._segments is None:
+      self._segments = tf.cumsum(tf.cast(_starts(self._id), tf.int32)) - 1
+    return self._segments
 
   def rows_touched(self, keep):
     """`[B]` int32: the rows each kept example touches."""
@@ -185,22 +205,27 @@ class EmbeddingUnit(unit.Unit):
 
   def row_counts(self, weights):
     segment = self._row_segments()
+    weight = tf.where(self._touching(), tf.gather(weights, self._example),
+                      0.0)
+    if self._pairs is None:  # A row per distinct id, no sentinels.
+      return [gradients.RowCounts(tf.boolean_mask(self._id, _starts(self._id)),
+                                  tf.math.segment_sum(weight, segment))]
     slots = tf.size(self._id)
     distinct = tf.reduce_max(segment) + 1
     rows = tf.math.unsorted_segment_min(self._id, segment, slots)
     rows = tf.where(tf.range(slots) < distinct, rows, self._vocab)
-    weight = tf.where(self._touching(), tf.gather(weights, self._example),
-                      0.0)
     return [gradients.RowCounts(
-        rows, sorted_segment_sum(weight, segment, slots))]
+        rows, tf.math.unsorted_segment_sum(weight, segment, slots))]
 
   def row_sums(self, weights, keep):
     rows = clipping.zero_rows(self._rows, tf.gather(keep, self._example),
                               many_rows=True)
-    scale = tf.cast(tf.gather(weights, self._example), rows.dtype)
-    return [tf.cast(sorted_segment_sum(rows * scale[:, tf.newaxis],
-                                       self._row_segments(), tf.size(self._id)),
-                    self._table.dtype)]
+    scaled = rows * tf.cast(tf.gather(weights, self._example),
+                            rows.dtype)[:, tf.newaxis]
+    segment = self._row_segments()
+    sums = (tf.math.segment_sum(scaled, segment) if self._pairs is None else
+            tf.math.unsorted_segment_sum(scaled, segment, tf.size(self._id)))
+    return [tf.cast(sums, self._table.dtype)]
 
   def cross_gram_form(self, other):
     return isinstance(other, EmbeddingUnit) and other._table is self._table  # pylint: disable=protected-access
@@ -208,10 +233,8 @@ class EmbeddingUnit(unit.Unit):
   def _ids_in(self, first: int, last: int, absent: int) -> tf.Tensor:
     """Each slot's id if it holds a pair with an id in `[first, last]`,
     else `absent`."""
-    slots = tf.range(tf.size(self._id))
-    present = tf.logical_and(
-        slots < self._pairs,
-        tf.logical_and(self._id >= first, self._id <= last))
+    present = self._filled(tf.logical_and(self._id >= first,
+                                          self._id <= last))
     return tf.where(present, self._id, absent)
 
   def cross_grams(self, other, spans, dtype):

@@ -393,31 +393,30 @@ class SparseEmbeddings(core.Wrapper):
     # touches. A row looked up with a zero gradient (by a padding row) has
     # count 0: untouched, it is left to the false positives, and the draws
     # go to the touched rows in ascending order however the batch was split.
-    touched = [t['counts'] > 0 for t in sums['tables']]
-    counts = [tf.boolean_mask(t['counts'], m)
-              for t, m in zip(sums['tables'], touched)]
+    touched = [tf.where(t['counts'] > 0)[:, 0] for t in sums['tables']]
+    counts = [tf.gather(t['counts'], at)
+              for t, at in zip(sums['tables'], touched)]
     draws = noise.gaussian_like(counts, self.selection_noise_multiplier,
                                 plan['count_key'])
     variable_sums = _variable_sums(self._gradient_inner, sums['inner'])
     released = []
-    for i, table, mask, count, draw, candidates in zip(
+    for i, table, touched_at, count, draw, candidates in zip(
         plan['tables'], sums['tables'], touched, counts, draws,
         plan['candidates']):
       rows, row_sums = table['rows'], table['row_sums']
-      selected = tf.scatter_nd(tf.where(mask), count + draw > self.threshold,
-                               tf.shape(mask, out_type=tf.int64))
+      # Gathered, not masked: the selected rows are few.
+      selected = tf.boolean_mask(touched_at, count + draw > self.threshold)
       # A candidate on a touched row is that row's own test's to decide.
-      padded = tf.concat([tf.boolean_mask(rows, mask),
+      padded = tf.concat([tf.gather(rows, touched_at),
                           [plan['shapes'][i][0]]], 0)  # A sentinel.
       false_positives = tf.boolean_mask(candidates, tf.not_equal(
           tf.gather(padded, tf.searchsorted(padded, candidates)), candidates))
-      released.append(tf.concat([tf.boolean_mask(rows, selected),
-                                 false_positives], 0))
+      released.append(tf.concat([tf.gather(rows, selected), false_positives],
+                                0))
       # A false positive's sum is zero: the inner step's noise alone.
       zeros = tf.zeros(tf.concat([tf.shape(false_positives),
                                   tf.shape(row_sums)[1:]], 0), row_sums.dtype)
-      variable_sums[i] = tf.concat([tf.boolean_mask(row_sums, selected),
-                                    zeros], 0)
+      variable_sums[i] = tf.concat([tf.gather(row_sums, selected), zeros], 0)
     # DPDR's base on a table is zero off the rows the last step released:
     # its release (and its next base) covers the released rows only.
     released_rows = dict(zip(plan['tables'], released))
