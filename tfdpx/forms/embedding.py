@@ -96,6 +96,7 @@ class EmbeddingUnit(unit.Unit):
     self._example = tf.cast(pair % batch64, tf.int32)
     self._id = tf.cast(pair // batch64, tf.int32)
     self._sq_norms = None
+    self._starts = None
     self._segments = None
 
   def _per_example(self, per_pair: tf.Tensor) -> tf.Tensor:
@@ -190,11 +191,17 @@ class EmbeddingUnit(unit.Unit):
       return mask
     return tf.logical_and(tf.range(tf.size(self._id)) < self._pairs, mask)
 
+  def _row_starts(self) -> tf.Tensor:
+    """`[slots]` bool: the slots where a distinct id starts (pairs are
+    sorted by id; the empty slots join the last pair's row), once."""
+    if self._starts is None:
+      self._starts = _starts(self._id)
+    return self._starts
+
   def _row_segments(self) -> tf.Tensor:
-    """Each slot's row among the distinct ids, in order (pairs are sorted
-    by id; the empty slots join the last pair's row), once."""
+    """Each slot's row among the distinct ids, in order, once."""
     if self._segments is None:
-      self._segments = tf.cumsum(tf.cast(_starts(self._id), tf.int32)) - 1
+      self._segments = tf.cumsum(tf.cast(self._row_starts(), tf.int32)) - 1
     return self._segments
 
   def rows_touched(self, keep):
@@ -208,7 +215,7 @@ class EmbeddingUnit(unit.Unit):
     weight = tf.where(self._touching(), tf.gather(weights, self._example),
                       0.0)
     if self._pairs is None:  # A row per distinct id, no sentinels.
-      return [gradients.RowCounts(tf.boolean_mask(self._id, _starts(self._id)),
+      return [gradients.RowCounts(tf.boolean_mask(self._id, self._row_starts()),
                                   tf.math.segment_sum(weight, segment))]
     slots = tf.size(self._id)
     distinct = tf.reduce_max(segment) + 1
