@@ -115,10 +115,9 @@ class _TouchedRows(gradients.GradientsView):
   this batch touches only (`row_sums`, ascending rows) instead of the whole
   `[rows, dim]` sum. Norms and the other variables are the gradients' own."""
 
-  def __init__(self, grads: gradients.PerExampleGradients, tables, touched):
+  def __init__(self, grads: gradients.PerExampleGradients, tables):
     super().__init__(grads)
     self._tables = tables
-    self._touched = touched  # Per table, how many distinct rows it has.
 
   def sq_norms(self):
     return self._grads.sq_norms()
@@ -151,9 +150,9 @@ class _TouchedRows(gradients.GradientsView):
     if not any(wanted[i] for i in self._tables):
       return sums
     row_sums = self._grads.row_sums(weights)
-    for i, touched in zip(self._tables, self._touched):
+    for i in self._tables:
       if wanted[i]:
-        sums[i] = row_sums[i][:touched]
+        sums[i] = row_sums[i]
     return sums
 
 
@@ -350,11 +349,11 @@ class SparseEmbeddings(core.Wrapper):
     # to L2 norm 1.
     weights = tf.minimum(1.0, tf.math.rsqrt(
         tf.cast(tf.maximum(rows_touched, 1), tf.float32)))
+    # Outside XLA (prepare refuses it) the row counts hold no sentinel
+    # slots: one entry per distinct row touched.
     row_counts = grads.row_counts(weights)
-    touched = [tf.reduce_sum(tf.cast(row_counts[i].rows < shape[0], tf.int32))
-               for i, shape in plan['shapes'].items()]
     inner_sums = self._gradient_inner.clipped_sums(
-        _TouchedRows(grads, tables, touched), state['inner'], plan['inner'])
+        _TouchedRows(grads, tables), state['inner'], plan['inner'])
     variable_sums = _variable_sums(self._gradient_inner, inner_sums)
     row_sums = [variable_sums[i] for i in tables]
     for i in tables:  # The tables' sums are keyed by rows: apart.
@@ -362,9 +361,8 @@ class SparseEmbeddings(core.Wrapper):
     return {
         'inner': _with_variable_sums(self._gradient_inner, inner_sums,
                                      variable_sums),
-        'tables': [{'rows': row_counts[i].rows[:n],
-                    'counts': row_counts[i].counts[:n], 'row_sums': sums}
-                   for i, n, sums in zip(tables, touched, row_sums)]}
+        'tables': [{'rows': row_counts[i].rows, 'counts': row_counts[i].counts,
+                    'row_sums': sums} for i, sums in zip(tables, row_sums)]}
 
   def add_sums(self, sums, more):
     return {'inner': super().add_sums(sums['inner'], more['inner']),
