@@ -38,6 +38,12 @@ sampler (`tfdpx.noise.standard_normal`, tails to 8.6 standard deviations)
 and by TensorFlow's `stateless_normal` (float32: none past 5.7), and
 DP-SGD's step net of its draws over the plain step (`draws_rows`).
 
+GEP is also measured against the work it must do (issue 56): its step at
+batch B (`--gep_rule_batch`, 32) with its A = 256 anchors over DP-SGD's step
+at B plus DP-SGD's step at A, the three interleaved in one process
+(`gep_rule_row`, models `--gep_rule_models`); with `--memory`, GEP's peak at
+batch B over DP-SGD's at B + A (`gep_memory_row`, `--gep_memory`).
+
 Every results file starts with the machine it ran on (`machine_record`):
 figures from different machines are never compared.
 
@@ -92,6 +98,16 @@ flags.DEFINE_list('memory_models', ['cnn', 'text'],
 flags.DEFINE_integer('memory_batch', 1024,
                      'Batch size of the memory measurements (the encoder: 64).')
 flags.DEFINE_bool('memory', True, 'Measure peak memory.')
+flags.DEFINE_list(
+    'gep_rule_models', ['cnn', 'mlp', 'text', 'encoder', 'cifar_cnn'],
+    'Models timed for GEP against its own work (issue 56): GEP at '
+    '--gep_rule_batch with its anchors, DP-SGD at that batch and at the '
+    'anchors\' count. Empty: none.')
+flags.DEFINE_integer('gep_rule_batch', 32, 'Batch B of the GEP rule.')
+flags.DEFINE_list(
+    'gep_memory', ['cifar_cnn:1024', 'encoder:64'],
+    '"model:batch" pairs: GEP\'s peak memory at the batch against DP-SGD\'s '
+    'at the batch plus the anchors\' count (with --memory).')
 flags.DEFINE_string('out', None, 'Also write the tables to this file.')
 flags.DEFINE_string(
     'virtual_batches', None,
@@ -250,6 +266,18 @@ def _fit_seconds(model, feed):
   return time.perf_counter() - start
 
 
+def _warmed_up(model_name, pipeline, runs):
+  """{(batch, config): (model, feed)} of `runs` ((batch, config) pairs),
+  each built and warmed up by one whole `fit` call."""
+  built = {}
+  for batch, config in runs:
+    built[batch, config] = (build(model_name, batch, config),
+                            pipeline_feed(model_name, batch, FLAGS.steps,
+                                          pipeline))
+    _fit_seconds(*built[batch, config])  # Traces and compiles.
+  return built
+
+
 def time_model(model_name, batch, pipelines):
   """{(pipeline, config): seconds per step}, interleaved round-robin over
   every pipeline and configuration in this process."""
@@ -259,11 +287,39 @@ def time_model(model_name, batch, pipelines):
     for config in configs(model_name):
       runs[pipeline, config] = (build(model_name, batch, config), feed)
       _fit_seconds(*runs[pipeline, config])  # Traces and compiles.
+  return _fastest_steps(runs)
+
+
+def _fastest_steps(runs):
+  """{run: seconds per step} of `runs` ({run: (model, feed)}, warmed up):
+  `--repetitions` rounds round-robin, each run's fastest whole `fit` call
+  over `--steps`."""
   best = {run: float('inf') for run in runs}
   for _ in range(FLAGS.repetitions):
     for run, (model, feed) in runs.items():
       best[run] = min(best[run], _fit_seconds(model, feed))
   return {run: seconds / FLAGS.steps for run, seconds in best.items()}
+
+
+def gep_rule_row(model_name, batch):
+  """GEP at batch B with its A anchors against the work it must do: DP-SGD
+  at B plus DP-SGD at A (issue 56), interleaved in this process."""
+  runs = [(batch, 'tfdpx gaussian'), (NUM_PUBLIC, 'tfdpx gaussian'),
+          (batch, 'tfdpx gep')]
+  step = _fastest_steps(_warmed_up(model_name, FLAGS.pipeline[0], runs))
+  at_b, at_a, gep = (1000 * step[run] for run in runs)
+  return (f'| {model_name} | {batch} | {NUM_PUBLIC} | {at_b:.1f} | '
+          f'{at_a:.1f} | {gep:.1f} | {gep / (at_b + at_a):.2f} |')
+
+
+def gep_memory_row(model_name, batch):
+  """GEP's peak at batch B against DP-SGD's at B + A (issue 56)."""
+  pipeline = FLAGS.pipeline[0]
+  dp_sgd = peak_rss_mib(model_name, batch + NUM_PUBLIC, 'tfdpx gaussian',
+                        pipeline)
+  gep = peak_rss_mib(model_name, batch, 'tfdpx gep', pipeline)
+  return (f'| {model_name} | {batch} | {NUM_PUBLIC} | {dp_sgd:.0f} | '
+          f'{gep:.0f} | {gep / dp_sgd:.2f} |')
 
 
 def machine_record() -> str:
@@ -321,20 +377,12 @@ def virtual_batch_rows(model_name, logical, physical):
     mib = [peak_rss_mib(model_name, batch, config, pipeline)
            for batch, config in runs]
     # Timed interleaved in this process, as `time_model`.
-    models = [build(model_name, batch, config) for batch, config in runs]
-    datasets = [pipeline_feed(model_name, batch, FLAGS.steps, pipeline)
-                for batch, _ in runs]
-    for model, dataset in zip(models, datasets):
-      _fit_seconds(model, dataset)
-    best = [float('inf')] * len(runs)
-    for _ in range(FLAGS.repetitions):
-      for i, (model, dataset) in enumerate(zip(models, datasets)):
-        best[i] = min(best[i], _fit_seconds(model, dataset))
-    for (batch, config), peak, seconds in zip(runs, mib, best):
-      per_example = 1000 * seconds / (FLAGS.steps * batch)
+    step = _fastest_steps(_warmed_up(model_name, pipeline, runs))
+    for (batch, config), peak in zip(runs, mib):
+      per_example = 1000 * step[batch, config] / batch
       rows.append(f'| {model_name} | {batch} | {config} | {peak:.0f} | '
                   f'{peak / mib[0]:.2f} | {per_example:.3f} | '
-                  f'{per_example / (1000 * best[0] / (FLAGS.steps * physical)):.2f} |')
+                  f'{per_example / (1000 * step[runs[0]] / physical):.2f} |')
     tf.keras.backend.clear_session()
   return rows
 
@@ -450,6 +498,29 @@ def speed_and_memory_tables(emit):
   emit('|---|---:|---:|---:|---:|---:|')
   for row in draws:
     emit(row)
+  if FLAGS.gep_rule_models:
+    emit()
+    emit(f'GEP against its own work (issue 56): GEP\'s step at batch B with '
+         f'A anchors over DP-SGD\'s at B plus DP-SGD\'s at A, interleaved, '
+         f'pipeline {FLAGS.pipeline[0]}; the rule is <= 1.3.')
+    emit()
+    emit('| model | B | A | DP-SGD at B ms | DP-SGD at A ms | GEP ms | '
+         'GEP / (B + A) |')
+    emit('|---|---:|---:|---:|---:|---:|---:|')
+    for model_name in FLAGS.gep_rule_models:
+      emit(gep_rule_row(model_name, FLAGS.gep_rule_batch))
+      tf.keras.backend.clear_session()
+  if FLAGS.memory and FLAGS.gep_memory:
+    emit()
+    emit(f'GEP\'s peak at batch B against DP-SGD\'s at B + A (fresh '
+         f'processes, pipeline {FLAGS.pipeline[0]}); the rule is <= 1.3.')
+    emit()
+    emit('| model | B | A | DP-SGD peak MiB at B + A | GEP peak MiB at B | '
+         'x |')
+    emit('|---|---:|---:|---:|---:|---:|')
+    for entry in FLAGS.gep_memory:
+      model_name, batch = entry.split(':')
+      emit(gep_memory_row(model_name, int(batch)))
   if FLAGS.memory:
     pipeline = FLAGS.pipeline[0]
     emit()
