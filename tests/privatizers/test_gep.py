@@ -651,12 +651,34 @@ def test_the_gram_matrix_summed_block_by_block_is_the_whole_one(monkeypatch):
   np.testing.assert_allclose(got, want, rtol=1e-12)
 
 
+@pytest.mark.parametrize('batch', [(), (3,)])
 @pytest.mark.parametrize('m', [64, 100, 256])
-def test_the_blocked_cholesky_factor_is_tf_linalg_cholesky(m):
+def test_the_blocked_cholesky_factor_is_tf_linalg_cholesky(m, batch):
+  # Blocked under XLA only; a batch of groups' matrices at once.
   gep_module = sys.modules[privatizers.GEP.__module__]
   rng = np.random.default_rng(m)
-  root = rng.normal(size=(m, m + 10))
-  matrix = tf.constant(root @ root.T)
-  got = gep_module._cholesky(matrix).numpy()  # pylint: disable=protected-access
+  root = rng.normal(size=batch + (m, m + 10))
+  matrix = tf.constant(root @ np.swapaxes(root, -1, -2))
+  got = tf.function(gep_module._cholesky, jit_compile=True)(matrix).numpy()  # pylint: disable=protected-access
   np.testing.assert_allclose(got, tf.linalg.cholesky(matrix).numpy(),
                              rtol=0, atol=1e-12 * np.abs(got).max())
+
+
+def test_groups_in_coordinates_batched_get_the_bases_they_get_alone():
+  # The groups in the anchors' coordinates are factored as one batch, each
+  # padded to the largest basis with zero columns: each group's coordinates
+  # are those of the same passes on that group alone.
+  privatizer = privatizers.gep(60, 1.0, 1.0, 1.0, groups=[[0], [1], [2]])
+  public = gradients.as_per_example_gradients(_grads(5, M))
+  segments = privatizer._segments(public.shapes)  # pylint: disable=protected-access
+  ks = allocate_bases([600, 30, 370], 60, M)
+  assert len(set(ks)) == 3  # Padded by different numbers of columns.
+  together, grams = privatizer._coordinates(  # pylint: disable=protected-access
+      public, KEY, segments, [0, 1, 2], ks)
+  for j, (w, gram) in enumerate(zip(together, grams)):
+    (alone,), (gram_alone,) = privatizer._coordinates(  # pylint: disable=protected-access
+        public, KEY, [segments[j]], [j], [ks[j]])
+    np.testing.assert_array_equal(gram.numpy(), gram_alone.numpy())
+    assert w.shape == (M, ks[j])
+    np.testing.assert_allclose(w.numpy(), alone.numpy(), rtol=0,
+                               atol=1e-9 * np.abs(alone.numpy()).max())

@@ -18,6 +18,7 @@ from tfdpx import core
 from tfdpx import gradients
 from tfdpx import noise
 from tfdpx import projections
+from tfdpx import xla
 
 DEFAULT_NUM_GROUPS = 3  # The official code's `--num_groups` (spec §5.1 D1).
 
@@ -256,15 +257,16 @@ CHOLESKY_QR_PASSES = 3
 
 
 def _inverse_factor(gram: tf.Tensor) -> tf.Tensor:
-  """`L^-1` (float64 `[k, k]`) for `L L^T = gram + s I`, `R = L^T`.
+  """`L^-1` (float64 `[..., k, k]`) for `L L^T = gram + s I`, `R = L^T`.
 
   The shift `s` dominates float64 rounding of the Gram matrix; its floor
   keeps an all-zero matrix at zero (`R^-1` stays finite in float32).
   """
   eye = tf.eye(gram.shape[-1], dtype=tf.float64)
   shift = 1e-13 * tf.linalg.trace(gram) + 1e-30
-  lower = tf.linalg.cholesky(gram + shift * eye)
-  return tf.linalg.triangular_solve(lower, eye, lower=True)
+  lower = tf.linalg.cholesky(gram + shift[..., tf.newaxis, tf.newaxis] * eye)
+  return tf.linalg.triangular_solve(lower, tf.broadcast_to(eye, tf.shape(gram)),
+                                    lower=True)
 
 
 def _orthonormalize(matrix: tf.Tensor) -> tf.Tensor:
@@ -291,30 +293,34 @@ CHOLESKY_BLOCK = 64
 
 
 def _cholesky(matrix: tf.Tensor) -> tf.Tensor:
-  """`tf.linalg.cholesky` of an `[m, m]` matrix, by blocks of 64 rows.
+  """`tf.linalg.cholesky` of `[..., m, m]` matrices, under XLA by blocks of
+  64 rows.
 
   The same factor (right-looking blocked Cholesky: each diagonal block, then
   a triangular solve for the panel below it). XLA's CPU kernel takes 45 ms
-  for m = 256 against 1.3 ms for m = 64 (2-core machine); unchanged without
-  XLA.
+  for m = 256 against 1.3 ms for m = 64 (2-core machine). Without XLA the
+  blocks only add ops: TensorFlow's kernel factors the whole matrix.
   """
-  m = matrix.shape[0]
-  if m is None or m <= CHOLESKY_BLOCK:
+  m = matrix.shape[-1]
+  if m is None or m <= CHOLESKY_BLOCK or not xla.in_xla():
     return tf.linalg.cholesky(matrix)
+  transpose = tf.linalg.matrix_transpose
   columns = []  # Each block column of the factor, rows j*b onwards.
   for start in range(0, m, CHOLESKY_BLOCK):
     stop = min(m, start + CHOLESKY_BLOCK)
-    panel = matrix[start:, start:stop]
+    panel = matrix[..., start:, start:stop]
     for column in columns:  # Minus the blocks to the left: L_i L_j^T.
-      done = m - column.shape[0]
-      panel -= tf.matmul(column[start - done:],
-                         column[start - done:stop - done], transpose_b=True)
-    diagonal = tf.linalg.cholesky(panel[:stop - start])
-    below = tf.transpose(tf.linalg.triangular_solve(
-        diagonal, tf.transpose(panel[stop - start:]), lower=True))
-    columns.append(tf.concat([diagonal, below], axis=0))
-  return tf.concat([tf.pad(c, [[m - c.shape[0], 0], [0, 0]]) for c in columns],
-                   axis=1)
+      done = m - column.shape[-2]
+      panel -= tf.matmul(column[..., start - done:, :],
+                         column[..., start - done:stop - done, :],
+                         transpose_b=True)
+    diagonal = tf.linalg.cholesky(panel[..., :stop - start, :])
+    below = transpose(tf.linalg.triangular_solve(
+        diagonal, transpose(panel[..., stop - start:, :]), lower=True))
+    columns.append(tf.concat([diagonal, below], axis=-2))
+  batch = [[0, 0]] * (matrix.shape.rank - 2)
+  return tf.concat([tf.pad(c, batch + [[m - c.shape[-2], 0], [0, 0]])
+                    for c in columns], axis=-1)
 
 
 # Relative shift of the anchors' Gram matrix `K` in their coordinates: far
@@ -327,7 +333,8 @@ MAX_AMPLIFICATION = 2.0**10
 
 def _orthonormalize_coordinates(anchor_gram: tf.Tensor,
                                 coordinates: tf.Tensor) -> tf.Tensor:
-  """`_orthonormalize(A^T W)` as `A^T W'`: returns `W'` (float64 `[m, k]`).
+  """`_orthonormalize(A^T W)` as `A^T W'`: returns `W'` (float64 `[..., m,
+  k]`, a batch of groups' `K` and `W` at once).
 
   The same passes, with the Gram matrix of `A^T W` taken as `W^T K W` (`K =
   A A^T`): the `R` factor, and so the basis, is the one `_orthonormalize`
@@ -680,46 +687,29 @@ class GEP(core.Privatizer):
           f'GEP: {num_public} anchor gradients cannot span more than '
           f'{num_public} directions per group; basis sizes {requested} are '
           f'clamped to {ks} (spec §5.2 A6)')
-    subspaces = []
+    subspaces = [None] * len(segments)
+    in_coordinates = [j for j, k in enumerate(ks) if k and gram_groups[j]]
+    if in_coordinates:
+      for j, w, gram in zip(in_coordinates, *self._coordinates(
+          public, seed, [segments[j] for j in in_coordinates],
+          in_coordinates, [ks[j] for j in in_coordinates])):
+        subspaces[j] = _Subspace(coordinates=w, anchor_gram=gram)
+    explicit = []  # The explicit bases built so far, one after the other.
     for j, (group, size, k) in enumerate(zip(segments, sizes, ks)):
+      if subspaces[j] is not None:
+        continue
       if k == 0:
         # Rounded down to no basis vector: the group is residual-only.
-        subspaces.append(_Subspace(basis=tf.zeros(
-            [size, 0], public.dtypes[group[0][0]])))
+        subspaces[j] = _Subspace(basis=tf.zeros(
+            [size, 0], public.dtypes[group[0][0]]))
         continue
-      stream = noise.substream(seed, f'gep/basis/{j}')
-      with _after(tf.nest.flatten(subspaces[-1:])):
+      with _after(explicit[-1:]):
         # One power-method step (or more) from a Gaussian start, then
         # orthonormal columns (spec §1.4). All-zero anchors give an all-zero
         # basis, no subspace (spec §5.2 A5). Public randomness: float32
         # Box-Muller suffices (no privacy rests on its tails).
-        if gram_groups[j]:
-          # A Omega (Omega Gaussian, [p_j, k_j]) has independent N(0, K)
-          # columns, K = A A^T: drawn as L Z with L L^T = K, Z Gaussian
-          # [m, k_j], neither Omega nor A Omega formed. Then A^T Y is A^T W.
-          gram = _cross_gram(public, public, group, tf.float64)
-          # K + s I: positive definite, so that directions K does not
-          # resolve (dependent anchors) come out as near-zero columns of the
-          # basis instead of a failed factorization.
-          shifted = gram + (ANCHOR_GRAM_SHIFT * tf.linalg.trace(gram) + 1e-30
-                           ) * tf.eye(tf.shape(gram)[0], dtype=tf.float64)
-          w = tf.matmul(_cholesky(shifted), tf.cast(
-              projections.standard_normal_f32(
-                  tf.stack([tf.shape(gram)[0], k]), stream), tf.float64))
-          for step in range(self._power_iterations):
-            if step:
-              w = tf.matmul(gram, w)  # A B = A A^T W.
-            w = _orthonormalize_coordinates(shifted, w)
-          # A column of B = A^T W is one of |A|_F |w_c| times the anchors'
-          # scale; past MAX_AMPLIFICATION it is a direction the anchors do
-          # not span (below 2^-20 of their energy, or not at all) and would
-          # only carry rounding of that size: it is dropped (zero).
-          resolved = (tf.linalg.trace(gram) * tf.reduce_sum(tf.square(w), 0)
-                      <= MAX_AMPLIFICATION**2)
-          w *= tf.cast(resolved, tf.float64)[tf.newaxis]
-          subspaces.append(_Subspace(coordinates=w, anchor_gram=gram))
-          continue
-        basis = tf.cast(projections.standard_normal_f32([size, k], stream),
+        basis = tf.cast(projections.standard_normal_f32(
+            [size, k], noise.substream(seed, f'gep/basis/{j}')),
                         public.dtypes[group[0][0]])
         for _ in range(self._power_iterations):
           # (A^T A) Omega: A Omega are the anchors' dots with Omega's columns
@@ -728,8 +718,50 @@ class GEP(core.Privatizer):
           basis = _orthonormalize(_anchor_sums(
               public, _embeddings(public, _directions(
                   basis, group, public.shapes), group), group))
-        subspaces.append(_Subspace(basis=basis))
+      explicit.append(basis)
+      subspaces[j] = _Subspace(basis=basis)
     return subspaces
+
+  def _coordinates(self, public, seed, groups, indices, ks
+                  ) -> Tuple[List[tf.Tensor], List[tf.Tensor]]:
+    """The bases of the groups in the anchors' coordinates, all at once.
+
+    Returns per group `W_j` (float64 `[m, k_j]`) and `K_j = A_j A_j^T`
+    (float64 `[m, m]`). The groups share their `m` anchors, so their
+    factorizations run as one batch `[G, m, k_max]`, each group's columns
+    past its `k_j` zero: a zero column stays exactly zero through every
+    pass (its rows of the factors are those of `s I`) and leaves the other
+    columns as they are alone.
+    """
+    grams = [_cross_gram(public, public, group, tf.float64)
+             for group in groups]
+    gram = tf.stack(grams)
+    m, k_max = tf.shape(gram)[1], max(ks)
+    # A Omega (Omega Gaussian, [p_j, k_j]) has independent N(0, K) columns,
+    # K = A A^T: drawn as L Z with L L^T = K, Z Gaussian [m, k_j] from the
+    # group's public substream, neither Omega nor A Omega formed. Then A^T Y
+    # is A^T W. K + s I: positive definite, so that directions K does not
+    # resolve (dependent anchors) come out as near-zero columns of the basis
+    # instead of a failed factorization.
+    shifted = gram + (ANCHOR_GRAM_SHIFT * tf.linalg.trace(gram) + 1e-30
+                     )[:, tf.newaxis, tf.newaxis] * tf.eye(m, dtype=tf.float64)
+    start = tf.stack([
+        tf.pad(projections.standard_normal_f32(
+            tf.stack([m, k]), noise.substream(seed, f'gep/basis/{j}')),
+               [[0, 0], [0, k_max - k]]) for j, k in zip(indices, ks)])
+    w = tf.matmul(_cholesky(shifted), tf.cast(start, tf.float64))
+    for step in range(self._power_iterations):
+      if step:
+        w = tf.matmul(gram, w)  # A B = A A^T W.
+      w = _orthonormalize_coordinates(shifted, w)
+    # A column of B = A^T W is one of |A|_F |w_c| times the anchors' scale;
+    # past MAX_AMPLIFICATION it is a direction the anchors do not span (below
+    # 2^-20 of their energy, or not at all) and would only carry rounding of
+    # that size: it is dropped (zero).
+    resolved = (tf.linalg.trace(gram)[:, tf.newaxis] *
+                tf.reduce_sum(tf.square(w), 1) <= MAX_AMPLIFICATION**2)
+    w *= tf.cast(resolved, tf.float64)[:, tf.newaxis]
+    return [w[i, :, :k] for i, k in enumerate(ks)], grams
 
   def bases(self, public_grads, seed: tf.Tensor,
             per_example_grads=None) -> List[tf.Tensor]:
@@ -876,17 +908,20 @@ class GEP(core.Privatizer):
     grads = gradients.as_per_example_gradients(per_example_grads)
     _, public, segments, subspaces = plan
     embeddings = []
+    # The embeddings on explicit bases ([B, p_j] temporaries) one after the
+    # other, after every basis is built.
+    explicit = tf.nest.flatten(subspaces)
     for group, sub in zip(segments, subspaces):
-      with _after(embeddings[-1:] or tf.nest.flatten(subspaces[-1])):
-        if sub.directions is not None:
-          embeddings.append(_embeddings(grads, sub.directions, group))
-        elif sub.basis is not None:
-          embeddings.append(_embeddings(
-              grads, _directions(sub.basis, group, grads.shapes), group))
-        else:  # B^T g = W^T (A g).
-          embeddings.append(tf.cast(tf.matmul(
-              tf.cast(_cross_gram(grads, public, group, tf.float32),
-                      tf.float64), sub.coordinates), tf.float32))
+      if sub.coordinates is not None:  # B^T g = W^T (A g).
+        embeddings.append(tf.cast(tf.matmul(
+            tf.cast(_cross_gram(grads, public, group, tf.float32),
+                    tf.float64), sub.coordinates), tf.float32))
+        continue
+      with _after(explicit):
+        directions = (sub.directions if sub.directions is not None else
+                      _directions(sub.basis, group, grads.shapes))
+        embeddings.append(_embeddings(grads, directions, group))
+      explicit = embeddings[-1:]
     # One global clip per part, over all groups (spec §5.2 A3).
     embedding_factors, embedding_norms = clipping.clip_factors(embeddings,
                                                                self._s1)
