@@ -701,13 +701,15 @@ def test_cross_grams_equal_those_of_the_loop(name, join_chunk, monkeypatch):
     forms[:] = grads.cross_gram_forms(other)
     spans = [(lo, n - hi if hi is not None else min(3, n)) if form else None
              for form, n in zip(forms, sizes)]
-    return grads.cross_grams(other, spans, tf.float64)
+    return (grads.cross_grams(other, spans, tf.float64),
+            grads.cross_gram(other, spans, tf.float64) if any(forms) else 0.0)
 
   # Whole variables, cut inside their first and last rows, or inside the
   # first row.
   for lo, hi in ((0, 0), (1, 1), (1, None)):
-    got = cross_grams(x, x_other, lo, hi)
+    got, summed = cross_grams(x, x_other, lo, hi)
     assert forms == CROSS_GRAM_FORMS[name]
+    want = 0.0
     for g, f, f_other, n, form in zip(got, flat, flat_other, sizes, forms):
       if not form:
         assert g is None
@@ -715,6 +717,8 @@ def test_cross_grams_equal_those_of_the_loop(name, join_chunk, monkeypatch):
       a, b = lo, n - hi if hi is not None else min(3, n)
       np.testing.assert_allclose(g.numpy(), f[:, a:b] @ f_other[:, a:b].T,
                                  rtol=1e-5, atol=1e-6)
+      want = want + f[:, a:b] @ f_other[:, a:b].T
+    np.testing.assert_allclose(summed, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize('name', ['dense', 'embedding'])
@@ -732,11 +736,15 @@ def test_a_non_finite_example_has_no_share_in_cross_grams(name):
     grads = recorder.model_gradients(
         model, x, lambda outputs: _squared_error(y_bad, outputs),
         model.trainable_variables).grads
-    return grads.cross_grams(
-        grads, [(0, f.shape[1]) for f in flat], tf.float64)
+    spans = [(0, f.shape[1]) for f in flat]
+    return (grads.cross_grams(grads, spans, tf.float64),
+            grads.cross_gram(grads, spans, tf.float64))
 
-  for got, f in zip(self_grams(x), flat):
+  grams, summed = self_grams(x)
+  for got, f in zip(grams, flat):
     np.testing.assert_allclose(got.numpy(), f @ f.T, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(summed.numpy(), sum(f @ f.T for f in flat),
+                             rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize('use_rules', [True, False], ids=['rules', 'fallback'])

@@ -187,6 +187,13 @@ class PerExampleGradients(abc.ABC):
     raise NotImplementedError(
         f'{type(self).__name__} has no cross Gram forms')
 
+  def cross_gram(self, other: 'PerExampleGradients', spans: Spans,
+                 dtype: tf.DType = tf.float32) -> tf.Tensor:
+    """`sum_v <g_iv, h_jv>` over the spans (see `cross_grams`), `[B, M]`:
+    the inner products over one group of spans (GEP's groups)."""
+    return tf.add_n([g for g in self.cross_grams(other, spans, dtype)
+                     if g is not None])
+
   def masked(self, masks: Sequence[tf.Tensor]) -> 'PerExampleGradients':
     """The gradients `m_v * g_iv`, for data-independent masks `m_v`."""
     return MaskedGradients(self, masks)

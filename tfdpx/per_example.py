@@ -377,6 +377,25 @@ class UnitGradients(gradients.PerExampleGradients):
     return [self._pair(i, other) is not None for i in range(len(self._vars))]
 
   def cross_grams(self, other, spans, dtype=tf.float32):
+    keep = self._cross_keep(other)
+    return [None if g is None else tf.where(keep, g, tf.zeros_like(g))
+            for g in self._unmasked_cross_grams(other, spans, dtype)]
+
+  def cross_gram(self, other, spans, dtype=tf.float32):
+    # One mask on the sum: a dropped example's entries are not finite in
+    # every term, so in the sum.
+    grams = [g for g in self._unmasked_cross_grams(other, spans, dtype)
+             if g is not None]
+    total = tf.add_n(grams)
+    return tf.where(self._cross_keep(other), total, tf.zeros_like(total))
+
+  def _cross_keep(self, other):
+    """`[B, M]`: whether both examples of an entry are kept; a dropped
+    example (not finite) of either batch has no share."""
+    return tf.logical_and(self._keep_rows()[:, tf.newaxis],
+                          other._keep_rows()[tf.newaxis, :])  # pylint: disable=protected-access
+
+  def _unmasked_cross_grams(self, other, spans, dtype):
     forms = self.cross_gram_forms(other)
     answers = {}  # id(unit) -> that unit's answer for all its spans.
     out = []
@@ -398,11 +417,7 @@ class UnitGradients(gradients.PerExampleGradients):
             spans[index[variable_key(v)]] if variable_key(v) in index
             else None for v in unit.variables], dtype)
       out.append(answers[id(unit)][position])
-    # A dropped example (not finite) of either batch has no share.
-    keep = tf.logical_and(self._keep_rows()[:, tf.newaxis],
-                          other._keep_rows()[tf.newaxis, :])  # pylint: disable=protected-access
-    return [None if g is None else tf.where(keep, g, tf.zeros_like(g))
-            for g in out]
+    return out
 
   def materialized(self):
     keep = self._keep_rows()

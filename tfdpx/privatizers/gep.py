@@ -188,8 +188,7 @@ def _cross_gram(grads: gradients.PerExampleGradients,
                 anchors: gradients.PerExampleGradients,
                 group: Sequence[Segment], dtype: tf.DType) -> tf.Tensor:
   """`G_j A_j^T` of one group: `[B, m]` inner products with the anchors."""
-  grams = grads.cross_grams(anchors, _spans(group, len(grads.shapes)), dtype)
-  return tf.add_n([g for g in grams if g is not None])
+  return grads.cross_gram(anchors, _spans(group, len(grads.shapes)), dtype)
 
 
 class _Subspace(NamedTuple):
