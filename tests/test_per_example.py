@@ -721,6 +721,39 @@ def test_cross_grams_equal_those_of_the_loop(name, join_chunk, monkeypatch):
     np.testing.assert_allclose(summed, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize('jit_compile', [False, True], ids=['graph', 'xla'])
+@pytest.mark.parametrize('name', ['embedding', 'embedding_repeats'])
+def test_embedding_weighted_sums_on_windows_of_the_table(name, jit_compile,
+                                                        monkeypatch):
+  # Outside XLA a window's pairs are summed as the run of slots on its rows
+  # (pairs sorted by id), under XLA by masking all pairs: both are the
+  # window of the whole sum, a dropped example (NaN loss) left out.
+  monkeypatch.setattr(per_example, 'SMALL_UNIT_SIZE', 0)  # The unit's forms.
+  model, x, y, _ = _problem(name)
+  bad = 2
+  y_bad = y.copy()
+  y_bad[bad] = np.nan
+  table = _loop_reference(model, x, y)[0]
+  table[bad] = 0.0
+  vocab = table.shape[1]
+  windows = [(0, vocab), (1, vocab - 1), (vocab // 2, vocab), (1, 2)]
+  weights = np.random.default_rng(4).normal(size=(BATCH, 2)).astype('float32')
+
+  @tf.function(jit_compile=jit_compile)
+  def sums(x):
+    grads = recorder.model_gradients(
+        model, x, lambda outputs: _squared_error(y_bad, outputs),
+        model.trainable_variables).grads
+    return [grads.weighted_sums(tf.constant(weights),
+                                [w] + [None] * (len(grads.shapes) - 1))[0]
+            for w in windows]
+
+  for got, (start, stop) in zip(sums(x), windows):
+    np.testing.assert_allclose(
+        got.numpy(), np.tensordot(weights, table[:, start:stop], [[0], [0]]),
+        rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize('name', ['dense', 'embedding'])
 def test_a_non_finite_example_has_no_share_in_cross_grams(name):
   model, x, y, _ = _problem(name)

@@ -158,7 +158,23 @@ class EmbeddingUnit(unit.Unit):
                                             axis=1))]
 
   def weighted_sum(self, weights, keep, rows=None):
-    ids, inside, size = self._window(rows[0] if rows else None)
+    window = rows[0] if rows else None
+    if window is not None and not xla.in_xla():
+      # The pairs are sorted by id: those on the window's rows are one run
+      # of slots, summed alone (GEP's groups cut the table into windows;
+      # masking every pair per window did each group's work on all pairs).
+      # Under XLA the run's length would be a dynamic shape.
+      start, stop = window
+      first, last = (tf.reduce_sum(tf.cast(self._id < bound, tf.int32))
+                     for bound in window)
+      example = self._example[first:last]
+      pairs = clipping.zero_rows(self._rows[first:last],
+                                 tf.gather(keep, example), many_rows=True)
+      scale = tf.cast(tf.gather(weights, example), pairs.dtype)
+      total = sorted_segment_sum(pairs * scale[:, tf.newaxis],
+                                 self._id[first:last] - start, stop - start)
+      return [tf.cast(total, self._table.dtype)]
+    ids, inside, size = self._window(window)
     rows = clipping.zero_rows(self._rows, tf.gather(keep, self._example),
                               many_rows=True)
     scale = tf.cast(tf.gather(weights, self._example), rows.dtype)
