@@ -269,11 +269,11 @@ def _fit_seconds(model, feed):
 def _warmed_up(model_name, pipeline, runs):
   """{(batch, config): (model, feed)} of `runs` ((batch, config) pairs),
   each built and warmed up by one whole `fit` call."""
-  built = {}
+  built, feeds = {}, {}
   for batch, config in runs:
-    built[batch, config] = (build(model_name, batch, config),
-                            pipeline_feed(model_name, batch, FLAGS.steps,
-                                          pipeline))
+    if batch not in feeds:  # One feed per batch size, as `time_model`.
+      feeds[batch] = pipeline_feed(model_name, batch, FLAGS.steps, pipeline)
+    built[batch, config] = (build(model_name, batch, config), feeds[batch])
     _fit_seconds(*built[batch, config])  # Traces and compiles.
   return built
 

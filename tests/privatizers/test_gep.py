@@ -677,7 +677,7 @@ def test_groups_in_coordinates_batched_get_the_bases_they_get_alone():
       public, KEY, segments, [0, 1, 2], ks)
   for j, (w, gram) in enumerate(zip(together, grams)):
     (alone,), (gram_alone,) = privatizer._coordinates(  # pylint: disable=protected-access
-        public, KEY, [segments[j]], [j], [ks[j]])
+        public, KEY, segments, [j], [ks[j]])
     np.testing.assert_array_equal(gram.numpy(), gram_alone.numpy())
     assert w.shape == (M, ks[j])
     np.testing.assert_allclose(w.numpy(), alone.numpy(), rtol=0,

@@ -159,6 +159,7 @@ class EmbeddingUnit(unit.Unit):
 
   def weighted_sum(self, weights, keep, rows=None):
     window = rows[0] if rows else None
+    example, pair_rows = self._example, self._rows
     if window is not None and not xla.in_xla():
       # The pairs are sorted by id: those on the window's rows are one run
       # of slots, summed alone (GEP's groups cut the table into windows;
@@ -167,17 +168,13 @@ class EmbeddingUnit(unit.Unit):
       start, stop = window
       first, last = (tf.reduce_sum(tf.cast(self._id < bound, tf.int32))
                      for bound in window)
-      example = self._example[first:last]
-      pairs = clipping.zero_rows(self._rows[first:last],
-                                 tf.gather(keep, example), many_rows=True)
-      scale = tf.cast(tf.gather(weights, example), pairs.dtype)
-      total = sorted_segment_sum(pairs * scale[:, tf.newaxis],
-                                 self._id[first:last] - start, stop - start)
-      return [tf.cast(total, self._table.dtype)]
-    ids, inside, size = self._window(window)
-    rows = clipping.zero_rows(self._rows, tf.gather(keep, self._example),
+      example, pair_rows = example[first:last], pair_rows[first:last]
+      ids, inside, size = self._id[first:last] - start, None, stop - start
+    else:
+      ids, inside, size = self._window(window)
+    rows = clipping.zero_rows(pair_rows, tf.gather(keep, example),
                               many_rows=True)
-    scale = tf.cast(tf.gather(weights, self._example), rows.dtype)
+    scale = tf.cast(tf.gather(weights, example), rows.dtype)
     if inside is not None:
       # A kept example's rows are finite (so is its norm): outside the
       # window a zero scale adds exact zeros, with no select over the rows.

@@ -690,8 +690,8 @@ class GEP(core.Privatizer):
     in_coordinates = [j for j, k in enumerate(ks) if k and gram_groups[j]]
     if in_coordinates:
       for j, w, gram in zip(in_coordinates, *self._coordinates(
-          public, seed, [segments[j] for j in in_coordinates],
-          in_coordinates, [ks[j] for j in in_coordinates])):
+          public, seed, segments, in_coordinates,
+          [ks[j] for j in in_coordinates])):
         subspaces[j] = _Subspace(coordinates=w, anchor_gram=gram)
     explicit = []  # The explicit bases built so far, one after the other.
     for j, (group, size, k) in enumerate(zip(segments, sizes, ks)):
@@ -721,9 +721,10 @@ class GEP(core.Privatizer):
       subspaces[j] = _Subspace(basis=basis)
     return subspaces
 
-  def _coordinates(self, public, seed, groups, indices, ks
+  def _coordinates(self, public, seed, segments, indices, ks
                   ) -> Tuple[List[tf.Tensor], List[tf.Tensor]]:
-    """The bases of the groups in the anchors' coordinates, all at once.
+    """The bases of groups `indices` (of `segments`, with `ks` directions)
+    in the anchors' coordinates, all at once.
 
     Returns per group `W_j` (float64 `[m, k_j]`) and `K_j = A_j A_j^T`
     (float64 `[m, m]`). The groups share their `m` anchors, so their
@@ -732,8 +733,8 @@ class GEP(core.Privatizer):
     pass (its rows of the factors are those of `s I`) and leaves the other
     columns as they are alone.
     """
-    grams = [_cross_gram(public, public, group, tf.float64)
-             for group in groups]
+    grams = [_cross_gram(public, public, segments[j], tf.float64)
+             for j in indices]
     gram = tf.stack(grams)
     m, k_max = tf.shape(gram)[1], max(ks)
     # A Omega (Omega Gaussian, [p_j, k_j]) has independent N(0, K) columns,
@@ -909,18 +910,18 @@ class GEP(core.Privatizer):
     embeddings = []
     # The embeddings on explicit bases ([B, p_j] temporaries) one after the
     # other, after every basis is built.
-    explicit = tf.nest.flatten(subspaces)
+    before = tf.nest.flatten(subspaces)
     for group, sub in zip(segments, subspaces):
       if sub.coordinates is not None:  # B^T g = W^T (A g).
         embeddings.append(tf.cast(tf.matmul(
             tf.cast(_cross_gram(grads, public, group, tf.float32),
                     tf.float64), sub.coordinates), tf.float32))
         continue
-      with _after(explicit):
+      with _after(before):
         directions = (sub.directions if sub.directions is not None else
                       _directions(sub.basis, group, grads.shapes))
         embeddings.append(_embeddings(grads, directions, group))
-      explicit = embeddings[-1:]
+      before = embeddings[-1:]
     # One global clip per part, over all groups (spec §5.2 A3).
     embedding_factors, embedding_norms = clipping.clip_factors(embeddings,
                                                                self._s1)
