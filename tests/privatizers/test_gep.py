@@ -682,3 +682,37 @@ def test_groups_in_coordinates_batched_get_the_bases_they_get_alone():
     assert w.shape == (M, ks[j])
     np.testing.assert_allclose(w.numpy(), alone.numpy(), rtol=0,
                                atol=1e-9 * np.abs(alone.numpy()).max())
+
+
+@pytest.mark.parametrize('condition', [1e2, 1e6, 1e10])
+def test_passes_in_coordinates_are_shifted_cholesky_qr_from_k(condition):
+  # The passes in the anchors' coordinates against the obvious ones in
+  # numpy, each forming `W^T K W` from `K`, on anchors whose singular values
+  # span `condition`, from a start whose directions are as badly scaled.
+  # Carrying `K W` from pass to pass instead (`K W' = (K W) L^-T`, one
+  # `[m, m] x [m, k]` product a pass saved) gave NaN at 1e10: after an
+  # ill-conditioned pass the carried product no longer gives a positive
+  # definite Gram matrix.
+  gep_module = sys.modules[privatizers.GEP.__module__]
+  rng = np.random.default_rng(int(math.log10(condition)))
+  m, p, k = 64, 300, 12
+
+  def scaled(rows, columns):
+    u, _ = np.linalg.qr(rng.normal(size=(rows, columns)))
+    return u * np.geomspace(1.0, 1.0 / condition, columns)
+
+  anchors = scaled(m, m) @ rng.normal(size=(m, p))
+  gram = anchors @ anchors.T
+  shifted = gram + (1e-12 * np.trace(gram)) * np.eye(m)
+  start = scaled(m, k) @ rng.normal(size=(k, k))
+  want = start
+  for _ in range(gep_module.CHOLESKY_QR_PASSES):
+    basis_gram = want.T @ shifted @ want
+    factor = np.linalg.cholesky(
+        basis_gram + (1e-13 * np.trace(basis_gram) + 1e-30) * np.eye(k))
+    want = want @ np.linalg.inv(factor).T
+  got = gep_module._orthonormalize_coordinates(  # pylint: disable=protected-access
+      tf.constant(shifted), tf.constant(start)).numpy()
+  assert (np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want))
+  basis = anchors.T @ got
+  np.testing.assert_allclose(basis.T @ basis, np.eye(k), atol=1e-6)
