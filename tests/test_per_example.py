@@ -244,37 +244,54 @@ def _loop_reference(model, x, y):
 
 
 def _check_statistics(grads, expected, seed=0):
-  """Asserts every statistic of `grads` against materialized `expected`."""
-  rng = np.random.default_rng(seed)
+  """Asserts every statistic of `grads` (an `_InGraph`) against materialized
+  `expected`."""
+  checks = _statistic_checks(expected, np.random.default_rng(seed))
+  results = grads.statistics([(name, args) for name, args, _ in checks])
+  for (_, _, check), got in zip(checks, results):
+    check(got)
+
+
+def _statistic_checks(expected, rng):
+  """`(statistic, args, check)` triples: `check` asserts the statistic's
+  result, one tensor per variable, against materialized `expected`."""
   flat = [g.reshape(BATCH, -1) for g in expected]
-  close = dict(rtol=1e-4, atol=1e-5)
-  for got, want in zip(grads.sq_norms(), flat):
-    np.testing.assert_allclose(got.numpy(), np.sum(want**2, axis=1), **close)
   directions = [rng.normal(size=(3,) + g.shape[1:]).astype('float32')
                 for g in expected]
-  for got, want, d in zip(grads.dots(directions), flat, directions):
-    np.testing.assert_allclose(got.numpy(), want @ d.reshape(3, -1).T,
-                               **close)
   masks = [(rng.uniform(size=g.shape[1:]) < 0.5).astype('float32')
            for g in expected]
-  for got, want, m in zip(grads.masked_sq_norms(masks), flat, masks):
-    np.testing.assert_allclose(got.numpy(),
-                               np.sum((want * m.reshape(1, -1))**2, axis=1),
-                               **close)
   weights = rng.normal(size=BATCH).astype('float32')
-  for got, want in zip(grads.weighted_sum(tf.constant(weights)), expected):
-    np.testing.assert_allclose(got.numpy(), np.tensordot(weights, want, 1),
-                               **close)
   columns = rng.normal(size=(BATCH, 2)).astype('float32')
-  for got, want in zip(grads.weighted_sums(tf.constant(columns)), expected):
-    np.testing.assert_allclose(got.numpy(),
-                               np.tensordot(columns, want, [[0], [0]]), **close)
-  _check_row_statistics(grads, expected, rng, close)
-  for got, want in zip(grads.materialized(), expected):
-    np.testing.assert_allclose(got.numpy(), want, **close)
+  return [
+      ('sq_norms', (), _each([np.sum(w**2, axis=1) for w in flat])),
+      ('dots', (directions,),
+       _each([w @ d.reshape(3, -1).T for w, d in zip(flat, directions)])),
+      ('masked_sq_norms', (masks,),
+       _each([np.sum((w * m.reshape(1, -1))**2, axis=1)
+              for w, m in zip(flat, masks)])),
+      ('weighted_sum', (tf.constant(weights),),
+       _each([np.tensordot(weights, w, 1) for w in expected])),
+      ('weighted_sums', (tf.constant(columns),),
+       _each([np.tensordot(columns, w, [[0], [0]]) for w in expected])),
+      *_row_statistic_checks(expected, rng),
+      ('materialized', (), _each(expected)),
+  ]
 
 
-def _check_row_statistics(grads, expected, rng, close):
+def _each(wants):
+  """A check that a result holds one tensor close to each of `wants` (None:
+  the result is None there)."""
+  def check(got):
+    assert len(got) == len(wants)
+    for g, want in zip(got, wants):
+      if want is None:
+        assert g is None
+      else:
+        np.testing.assert_allclose(g.numpy(), want, rtol=1e-4, atol=1e-5)
+  return check
+
+
+def _row_statistic_checks(expected, rng):
   """Dots and weighted sums on slices of the variables' first axes."""
   # The last slices of the first axis (all of it where it has one slice).
   rows = [None if g.ndim < 2 else (min(1, g.shape[1] - 1), g.shape[1])
@@ -284,23 +301,22 @@ def _check_row_statistics(grads, expected, rng, close):
                 .astype('float32') for g, r in zip(expected, rows)]
   sliced = [g if r is None else g[:, r[0]:r[1]]
             for g, r in zip(expected, rows)]
-  for got, want, d in zip(grads.dots(directions, rows), sliced, directions):
-    np.testing.assert_allclose(
-        got.numpy(), want.reshape(BATCH, -1) @ d.reshape(3, -1).T, **close)
   # Every other variable skipped.
   wanted = [None if i % 2 or r is None else r for i, r in enumerate(rows)]
   columns = rng.normal(size=(BATCH, 2)).astype('float32')
-  for got, want, r in zip(grads.weighted_sums(tf.constant(columns), wanted),
-                          sliced, wanted):
-    if r is None:
-      assert got is None
-    else:
-      np.testing.assert_allclose(
-          got.numpy(), np.tensordot(columns, want, [[0], [0]]), **close)
+  return [
+      ('dots', (directions, rows),
+       _each([w.reshape(BATCH, -1) @ d.reshape(3, -1).T
+              for w, d in zip(sliced, directions)])),
+      ('weighted_sums', (tf.constant(columns), wanted),
+       _each([None if r is None else np.tensordot(columns, w, [[0], [0]])
+              for w, r in zip(sliced, wanted)])),
+  ]
 
 
 class _InGraph:
-  """A `PerExampleGradients` whose statistics run in one `tf.function`.
+  """The engine's statistics of `model` on `x`, all in one `tf.function`:
+  as in training, one traced forward and every statistic of it.
 
   With `unknown_batch`, traced with batch dimension None, as `fit` traces
   `tf.data ... .batch(B)`.
@@ -310,20 +326,21 @@ class _InGraph:
     self._args = model, x, loss, kwargs
     self._unknown_batch = unknown_batch
 
-  def __getattr__(self, name):
+  def statistics(self, calls):
+    """`[grads.<name>(*args) for name, args in calls]` of the engine's
+    per-example gradients."""
     model, x, loss, kwargs = self._args
 
-    def statistic(x, *args):
+    def run(x):
       grads = recorder.model_gradients(
           model, x, loss, model.trainable_variables, **kwargs).grads
-      return getattr(grads, name)(*args)
+      return [getattr(grads, name)(*args) for name, args in calls]
 
-    if not self._unknown_batch:  # As in training: the loops run as graphs.
-      return lambda *args: tf.function(statistic)(x, *args)
-    spec = tf.nest.map_structure(
-        lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), x)
-    return lambda *args: tf.function(
-        lambda x: statistic(x, *args), input_signature=[spec])(x)
+    spec = None
+    if self._unknown_batch:
+      spec = [tf.nest.map_structure(
+          lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), x)]
+    return tf.function(run, input_signature=spec)(x)
 
 
 def _slow_mixed(names, slow=('mixed',)):
