@@ -50,15 +50,24 @@ def formed(monkeypatch):
   return variables
 
 
-def _formed_in_trace(formed, model_name, privatizer, batch, static):
-  model = traced_steps.built(
-      traced_steps.private_model(model_name, privatizer, batch), model_name)
+def _formed_in_trace(formed, model, model_name, batch):
+  """Indices of `model`'s variables whose per-example kernels are formed in
+  a trace of its step on batches of `batch` rows (None: unknown)."""
   formed.clear()
   traced_steps.train_step_graph(
-      model, traced_steps.batch_spec(model_name, batch if static else None))
+      model, traced_steps.batch_spec(model_name, batch))
   index = {per_example.variable_key(v): i
            for i, v in enumerate(model.trainable_variables)}
   return sorted(index[per_example.variable_key(v)] for v in formed)
+
+
+def _formed_in_both(formed, model_name, privatizer, batch):
+  """`_formed_in_trace` of one built model, with `batch` static and unknown
+  (the build's own step traced another static batch before either)."""
+  model = traced_steps.built(
+      traced_steps.private_model(model_name, privatizer, batch), model_name)
+  return (_formed_in_trace(formed, model, model_name, batch),
+          _formed_in_trace(formed, model, model_name, None))
 
 
 def _cases():
@@ -77,8 +86,7 @@ def _cases():
 @pytest.mark.parametrize('model_name,batch,privatizer', _cases())
 def test_the_same_per_example_kernels_are_formed_for_an_unknown_batch_size(
     formed, model_name, batch, privatizer):
-  static = _formed_in_trace(formed, model_name, privatizer, batch, True)
-  unknown = _formed_in_trace(formed, model_name, privatizer, batch, False)
+  static, unknown = _formed_in_both(formed, model_name, privatizer, batch)
   assert unknown == static
 
 
@@ -90,8 +98,7 @@ def test_the_count_sees_a_form_chosen_from_the_static_batch_size(
   monkeypatch.setattr(
       dense_forms.ProductUnit, '_ghost',
       lambda unit: ghost(unit) and unit._d.shape[0] is not None)  # pylint: disable=protected-access
-  static = _formed_in_trace(formed, 'cnn', 'gaussian', 256, True)
-  unknown = _formed_in_trace(formed, 'cnn', 'gaussian', 256, False)
+  static, unknown = _formed_in_both(formed, 'cnn', 'gaussian', 256)
   assert len(unknown) > len(static)
 
 
