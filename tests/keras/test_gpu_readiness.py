@@ -8,14 +8,23 @@ op without a GPU kernel for its dtypes would run on the host, with a copy
 each way every step, or fail under soft placement off. The same steps lower
 to XLA (`jit_compile=True`), which places the whole step on the device.
 
+GEP takes its GPU form (`loop_free`) here, as where TensorFlow sees a GPU;
+the exported XLA step of it runs no more loops than DP-SGD's but two.
+
 docs/performance.md lists what this does and does not say about GPU speed.
 """
+
+import re
+import sys
 
 import pytest
 import tensorflow as tf
 from tensorflow.python.framework import kernels  # pylint: disable=g-direct-tensorflow-import
 
 from tests.keras import traced_steps
+from tfdpx import privatizers
+
+GEP_MODULE = sys.modules[privatizers.GEP.__module__]
 
 # Ops TensorFlow runs on the host by design, with the reason. None is found
 # in the steps today; an op added here must say why it is harmless.
@@ -76,7 +85,8 @@ def _slow_cases():
 
 @pytest.mark.parametrize('model_name,privatizer', _slow_cases())
 def test_every_op_of_the_step_has_a_gpu_kernel_and_the_step_lowers_to_xla(
-    model_name, privatizer):
+    model_name, privatizer, monkeypatch):
+  monkeypatch.setattr(GEP_MODULE, 'gpu_visible', lambda: True)
   model = traced_steps.built(
       traced_steps.private_model(model_name, privatizer, BATCH), model_name)
   spec = traced_steps.batch_spec(model_name, None)
@@ -101,3 +111,34 @@ def test_an_op_without_a_gpu_kernel_is_found():
   matmul = tf.function(tf.matmul).get_concrete_function(
       tf.TensorSpec([2, 2], tf.float32), tf.TensorSpec([2, 2], tf.float32))
   assert not ops_without_gpu_kernels(matmul.graph)
+
+
+# HLO instructions XLA runs as loops: `while`, and Cholesky factorizations,
+# which XLA expands into loops over columns (on a GPU a few kernel launches
+# per column; the H200 profile in docs/gep.md).
+LOOPS = re.compile(r'[\s)}](while|cholesky)\(')
+
+
+def _loops(model_name: str, privatizer: str) -> int:
+  """Loops in the HLO of `model_name`'s XLA step with `privatizer`."""
+  model = traced_steps.built(
+      traced_steps.private_model(model_name, privatizer, BATCH), model_name)
+  x, y = [tf.zeros([BATCH, *s.shape[1:]], s.dtype)
+          for s in traced_steps.batch_spec(model_name, None)]
+  step = tf.function(model.train_step, jit_compile=True)
+  return len(LOOPS.findall(
+      step.experimental_get_compiler_ir((x, y))(stage='hlo')))
+
+
+@pytest.mark.parametrize('model_name', ['cnn', 'mlp'])
+def test_gep_on_a_gpu_runs_at_most_two_loops_more_than_dp_sgd(
+    model_name, monkeypatch):
+  monkeypatch.setattr(GEP_MODULE, 'gpu_visible', lambda: True)
+  assert _loops(model_name, 'gep') <= _loops(model_name, 'gaussian') + 2
+
+
+def test_the_loop_count_sees_gep_cholesky_factors(monkeypatch):
+  # GEP's CPU form (anchors' coordinates, Cholesky QR) has a Cholesky start
+  # and one factor a pass: the count above can fail.
+  monkeypatch.setattr(GEP_MODULE, 'gpu_visible', lambda: False)
+  assert _loops('mlp', 'gep') > _loops('mlp', 'gaussian') + 2

@@ -255,20 +255,67 @@ def _scatter(group_vectors: Sequence[tf.Tensor],
 CHOLESKY_QR_PASSES = 3
 
 
-def _inverse_factor(gram: tf.Tensor) -> tf.Tensor:
-  """`L^-1` (float64 `[..., k, k]`) for `L L^T = gram + s I`, `R = L^T`.
+# Smallest eigenvalue of a pass's Gram matrix `X^T X` that the pass
+# resolves, relative to its trace: the shift `s` of both forms of a pass.
+GRAM_SHIFT = 1e-13
 
-  The shift `s` dominates float64 rounding of the Gram matrix; its floor
-  keeps an all-zero matrix at zero (`R^-1` stays finite in float32).
-  """
+
+def _gram_shift(gram: tf.Tensor) -> tf.Tensor:
+  """`s` (`[..., 1, 1]`) for `gram + s I`: far above float64 rounding of the
+  Gram matrix; its floor keeps an all-zero matrix at zero (the inverse
+  factors stay finite in float32)."""
+  return (GRAM_SHIFT * tf.linalg.trace(gram) + 1e-30)[..., tf.newaxis,
+                                                      tf.newaxis]
+
+
+def _inverse_factor(gram: tf.Tensor) -> tf.Tensor:
+  """`L^-1` (float64 `[..., k, k]`) for `L L^T = gram + s I`, `R = L^T`."""
   eye = tf.eye(gram.shape[-1], dtype=tf.float64)
-  shift = 1e-13 * tf.linalg.trace(gram) + 1e-30
-  lower = tf.linalg.cholesky(gram + shift[..., tf.newaxis, tf.newaxis] * eye)
+  lower = tf.linalg.cholesky(gram + _gram_shift(gram) * eye)
   return tf.linalg.triangular_solve(lower, tf.broadcast_to(eye, tf.shape(gram)),
                                     lower=True)
 
 
-def _orthonormalize(matrix: tf.Tensor) -> tf.Tensor:
+def newton_schulz_steps(k: int) -> int:
+  """Steps of `_inverse_sqrt` that converge for every eigenvalue of a
+  `[k, k]` shifted Gram matrix. Each step maps an eigenvalue `x` of
+  `Z Y` to `x (3 - x)^2 / 4`; scaled by its largest row sum (at most `sqrt(k)`
+  times its largest eigenvalue), the smallest is at least
+  `GRAM_SHIFT / sqrt(k)`: counted from there to 1 within float64 rounding."""
+  x, steps = GRAM_SHIFT / (math.sqrt(k) * (1 + GRAM_SHIFT)), 0
+  while 1 - x > 1e-15:
+    x, steps = x * (3 - x)**2 / 4, steps + 1
+  return steps
+
+
+# Steps of the loop-free form's third pass: its Gram matrix is the identity
+# to float32 rounding of the basis, where each step squares the error.
+POLISH_STEPS = 6
+
+
+def _inverse_sqrt(gram: tf.Tensor, steps: int) -> tf.Tensor:
+  """`(gram + s I)^-1/2` (float64 `[..., k, k]`) by matrix products only.
+
+  The coupled Newton-Schulz iteration (Higham, "Functions of Matrices",
+  2008, §6.7): `T = (3I - Z Y) / 2`, `Y <- Y T`, `Z <- T Z` from `Y = S / c`,
+  `Z = I` gives `Z -> (S / c)^-1/2` for the symmetric positive definite
+  `S = gram + s I` with eigenvalues in `(0, c]` (`c` its largest row sum), and
+  is stable in floating point. XLA lowers a Cholesky factorization to loops
+  over columns (on a GPU a few kernel launches per column); this is a fixed
+  sequence of `[k, k]` products.
+  """
+  eye = tf.eye(gram.shape[-1], dtype=tf.float64)
+  shifted = gram + _gram_shift(gram) * eye
+  scale = tf.reduce_max(tf.reduce_sum(tf.abs(shifted), -1), -1)[
+      ..., tf.newaxis, tf.newaxis]
+  y, z = shifted / scale, tf.broadcast_to(eye, tf.shape(gram))
+  for _ in range(steps):
+    t = 1.5 * eye - 0.5 * tf.matmul(z, y)
+    y, z = tf.matmul(y, t), tf.matmul(t, z)
+  return z / tf.sqrt(scale)
+
+
+def _orthonormalize(matrix: tf.Tensor, loop_free: bool = False) -> tf.Tensor:
   """Orthonormal columns spanning `matrix`'s columns, as in its QR factor.
 
   `Q = X R^-1` with `R^T R = X^T X + s I` (Cholesky of the float64 Gram
@@ -279,8 +326,24 @@ def _orthonormalize(matrix: tf.Tensor) -> tf.Tensor:
   tall matrix is about five times slower. A rank-deficient `X` (dependent
   anchors) can leave columns that are not orthonormal: `update` never relies
   on orthonormality for privacy (the residual norm uses `B^T B`).
+
+  `loop_free`: `Q = X (X^T X + s I)^-1/2` (`_inverse_sqrt`) instead, from
+  matrix products only: the polar factor, another orthonormal basis of the
+  same span (the projector `Q Q^T`, and so every release, is the same).
+  Three passes: the first makes the directions that `X^T X` resolves
+  orthonormal, the second also those it left shrunk near the shift (as
+  Cholesky QR's later passes do), the third polishes rounding.
+  Each product with the `[k, k]` factor is summed in float64: unlike the
+  triangular factor, the polar one mixes every column, and its entries for
+  dependent columns (up to `1 / sqrt(s)`) would spread their float32
+  rounding over the directions the anchors span.
   """
   q = matrix
+  if loop_free:
+    steps = newton_schulz_steps(matrix.shape[-1])
+    for pass_steps in (steps, steps, POLISH_STEPS):
+      q = _times64(q, _inverse_sqrt(_gram64(q), pass_steps))
+    return q
   for _ in range(CHOLESKY_QR_PASSES):
     q = tf.matmul(q, tf.cast(_inverse_factor(_gram64(q)), q.dtype),
                   transpose_b=True)
@@ -362,6 +425,20 @@ def _gram64(matrix: tf.Tensor) -> tf.Tensor:
   return total
 
 
+def _times64(matrix: tf.Tensor, factor: tf.Tensor) -> tf.Tensor:
+  """`X F` (`X`'s dtype) of a `[p, k]` matrix and a float64 `[k, k]` one,
+  summed in float64 block by block."""
+  return tf.concat([
+      tf.cast(tf.matmul(tf.cast(matrix[start:start + GRAM_BLOCK_ROWS],
+                                tf.float64), factor), matrix.dtype)
+      for start in range(0, matrix.shape[0], GRAM_BLOCK_ROWS)], axis=0)
+
+
+def gpu_visible() -> bool:
+  """Whether TensorFlow sees a GPU: GEP's form when `loop_free` is None."""
+  return bool(tf.config.list_logical_devices('GPU'))
+
+
 def _flat(per_example: Sequence[tf.Tensor]) -> List[tf.Tensor]:
   return [tf.reshape(g, [tf.shape(g)[0], -1]) for g in per_example]
 
@@ -416,7 +493,9 @@ class GEP(core.Privatizer):
   (shifted Cholesky QR, `_orthonormalize`). Where the engine has cross Gram
   forms for every variable of the group (Dense layers on vectors,
   embeddings), the group works in the anchors' coordinates instead
-  (`_Subspace`, docs/gep.md): `B_j = A_j^T W_j`, never formed. Each private per-example gradient
+  (`_Subspace`, docs/gep.md): `B_j = A_j^T W_j`, never formed; unless
+  `loop_free` (the default on a GPU), where every basis is explicit and
+  orthonormalized by matrix products only. Each private per-example gradient
   `G_i` is split into its embedding `W_i = [G_i B_j^T]_j` (length
   `K = sum_j k_j`) and the residual `R_i = G_i - W_i B` (from the unclipped
   embedding). `W_i` is clipped to `embedding_l2_norm_clip` (S1) and `R_i` to
@@ -478,7 +557,8 @@ class GEP(core.Privatizer):
                groups: Optional[Sequence[Sequence[int]]] = None,
                power_iterations: int = 1,
                basis_refresh_steps: int = 1,
-               biased: bool = False):
+               biased: bool = False,
+               loop_free: Optional[bool] = None):
     """Args:
       num_bases: total basis size k, split over the groups in proportion to
         `sqrt(p_j)` and clamped to `min(p_j, m)` per group; an integer >= 1.
@@ -506,6 +586,13 @@ class GEP(core.Privatizer):
         function of public data, a public random stream and the weights
         (earlier releases), so the event per step is the same.
       biased: B-GEP: release only the embedding.
+      loop_free: build every basis from matrix products only, which XLA runs
+        on a GPU without loops: every group's basis explicitly (`p_j x k_j`,
+        no anchors' coordinates, whose Gaussian start needs a Cholesky
+        factor of `K`) and orthonormalized by Newton-Schulz passes instead of
+        Cholesky QR (`_orthonormalize`). Same distribution of the basis, same
+        releases for a given basis span; more work on a CPU. Default (None):
+        when TensorFlow sees a GPU as the step is traced.
 
     Raises:
       ValueError: naming the argument that is out of range or inconsistent.
@@ -551,6 +638,10 @@ class GEP(core.Privatizer):
     self._power_iterations = int(power_iterations)
     self._refresh_steps = int(basis_refresh_steps)
     self._biased = bool(biased)
+    if loop_free not in (None, True, False):
+      raise ValueError(f'loop_free must be None, True or False, got '
+                       f'{loop_free!r}')
+    self._loop_free = None if loop_free is None else bool(loop_free)
     self._sigma1, self._sigma2, self._explicit = self._split(
         noise_multiplier, embedding_noise_multiplier,
         residual_noise_multiplier)
@@ -618,6 +709,7 @@ class GEP(core.Privatizer):
         'power_iterations': self._power_iterations,
         'basis_refresh_steps': self._refresh_steps,
         'biased': self._biased,
+        'loop_free': self._loop_free,
     }
 
   @property
@@ -664,10 +756,15 @@ class GEP(core.Privatizer):
     sizes = [int(s.num_elements()) for s in shapes]
     return _group_segments(sizes, self._num_groups, self._groups)
 
+  def _is_loop_free(self) -> bool:
+    return gpu_visible() if self._loop_free is None else self._loop_free
+
   def _gram_groups(self, segments, grads, public) -> List[bool]:
     """Per group, whether it works in the anchors' coordinates (`_Subspace`):
     when the private and the anchor gradients have cross Gram forms for all
-    its variables."""
+    its variables, and the bases are not loop-free."""
+    if self._is_loop_free():
+      return [False] * len(segments)
     private, anchors = (grads.cross_gram_forms(public),
                         public.cross_gram_forms(public))
     return [all(private[v] and anchors[v] for v, _, _ in group)
@@ -716,7 +813,8 @@ class GEP(core.Privatizer):
           # matrix is formed.
           basis = _orthonormalize(_anchor_sums(
               public, _embeddings(public, _directions(
-                  basis, group, public.shapes), group), group))
+                  basis, group, public.shapes), group), group),
+                                  self._is_loop_free())
       explicit.append(basis)
       subspaces[j] = _Subspace(basis=basis)
     return subspaces

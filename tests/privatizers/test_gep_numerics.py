@@ -1,0 +1,130 @@
+"""GEP's orthonormalizations and factorizations as functions: each form
+against the obvious computation, at the conditions power-method outputs have.
+"""
+
+import math
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdpx import privatizers
+
+GEP_MODULE = sys.modules[privatizers.GEP.__module__]
+
+
+def test_the_gram_matrix_summed_block_by_block_is_the_whole_one(monkeypatch):
+  matrix = np.random.default_rng(0).normal(size=(50, 4)).astype('float32')
+  monkeypatch.setattr(GEP_MODULE, 'GRAM_BLOCK_ROWS', 7)  # 8 blocks, one short.
+  got = GEP_MODULE._gram64(tf.constant(matrix)).numpy()
+  want = matrix.astype(np.float64).T @ matrix.astype(np.float64)
+  np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize('batch', [(), (3,)])
+@pytest.mark.parametrize('m', [64, 100, 256])
+def test_the_blocked_cholesky_factor_is_tf_linalg_cholesky(m, batch):
+  # Blocked under XLA only; a batch of groups' matrices at once.
+  rng = np.random.default_rng(m)
+  root = rng.normal(size=batch + (m, m + 10))
+  matrix = tf.constant(root @ np.swapaxes(root, -1, -2))
+  got = tf.function(GEP_MODULE._cholesky, jit_compile=True)(matrix).numpy()  # pylint: disable=protected-access
+  np.testing.assert_allclose(got, tf.linalg.cholesky(matrix).numpy(),
+                             rtol=0, atol=1e-12 * np.abs(got).max())
+
+
+@pytest.mark.parametrize('condition', [1e2, 1e6, 1e10])
+def test_passes_in_coordinates_are_shifted_cholesky_qr_from_k(condition):
+  # The passes in the anchors' coordinates against the obvious ones in
+  # numpy, each forming `W^T K W` from `K`, on anchors whose singular values
+  # span `condition`, from a start whose directions are as badly scaled.
+  # Carrying `K W` from pass to pass instead (`K W' = (K W) L^-T`, one
+  # `[m, m] x [m, k]` product a pass saved) gave NaN at 1e10: after an
+  # ill-conditioned pass the carried product no longer gives a positive
+  # definite Gram matrix.
+  rng = np.random.default_rng(int(math.log10(condition)))
+  m, p, k = 64, 300, 12
+
+  def scaled(rows, columns):
+    u, _ = np.linalg.qr(rng.normal(size=(rows, columns)))
+    return u * np.geomspace(1.0, 1.0 / condition, columns)
+
+  anchors = scaled(m, m) @ rng.normal(size=(m, p))
+  gram = anchors @ anchors.T
+  shifted = gram + (1e-12 * np.trace(gram)) * np.eye(m)
+  start = scaled(m, k) @ rng.normal(size=(k, k))
+  want = start
+  for _ in range(GEP_MODULE.CHOLESKY_QR_PASSES):
+    basis_gram = want.T @ shifted @ want
+    factor = np.linalg.cholesky(
+        basis_gram + (1e-13 * np.trace(basis_gram) + 1e-30) * np.eye(k))
+    want = want @ np.linalg.inv(factor).T
+  got = GEP_MODULE._orthonormalize_coordinates(  # pylint: disable=protected-access
+      tf.constant(shifted), tf.constant(start)).numpy()
+  assert (np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want))
+  basis = anchors.T @ got
+  np.testing.assert_allclose(basis.T @ basis, np.eye(k), atol=1e-6)
+
+
+def _power_step(condition, m=80, p=1000, k=30):
+  """`A^T A Omega` (float64 `[p, k]`) for anchors `A` whose singular values
+  span `condition`."""
+  rng = np.random.default_rng(int(math.log10(condition)))
+  u, _ = np.linalg.qr(rng.normal(size=(m, m)))
+  anchors = (u * np.geomspace(1.0, 1.0 / condition, m)) @ rng.normal(
+      size=(m, p))
+  return anchors.T @ (anchors @ rng.normal(size=(p, k)))
+
+
+@pytest.mark.parametrize('condition', [1e2, 1e5, 1e8])
+def test_loop_free_passes_span_what_cholesky_qr_spans(condition):
+  # Newton-Schulz passes against Cholesky QR's on the same power-method
+  # output, in float64 (in float32 the rounding of the output moves any two
+  # orthonormalizations' projectors apart by up to 1e-2 at 1e8): orthonormal
+  # columns with the same projector, eager and under XLA.
+  matrix = tf.constant(_power_step(condition))
+  want = GEP_MODULE._orthonormalize(matrix).numpy()  # pylint: disable=protected-access
+  projector = want @ want.T
+  loop_free = lambda x: GEP_MODULE._orthonormalize(x, loop_free=True)  # pylint: disable=protected-access
+  for got in (loop_free(matrix).numpy(),
+              tf.function(loop_free, jit_compile=True)(matrix).numpy()):
+    np.testing.assert_allclose(got.T @ got, np.eye(got.shape[1]), atol=1e-10)
+    assert (np.linalg.norm(got @ got.T - projector) <=
+            1e-5 * np.linalg.norm(projector))
+
+
+def test_loop_free_passes_normalize_dependent_columns_as_cholesky_qr_does():
+  # Rank 3 in float32: the 57 other columns are rounding, which both forms
+  # turn into orthonormal directions (the second pass into unit ones) without
+  # losing the anchors' row space (the polar factor's products in float32
+  # lost 3% of it), and all-zero columns stay zero.
+  rng = np.random.default_rng(4)
+  low_rank = rng.normal(size=(80, 3)) @ rng.normal(size=(3, 1000))
+  matrix = tf.constant(low_rank.T @ (low_rank @ rng.normal(size=(1000, 60))),
+                       tf.float32)
+  for loop_free in (False, True):
+    q = GEP_MODULE._orthonormalize(matrix, loop_free).numpy()  # pylint: disable=protected-access
+    np.testing.assert_allclose(q.T.astype(np.float64) @ q, np.eye(60),
+                               atol=1e-5)
+    residual = low_rank - (low_rank @ q) @ q.T
+    assert np.linalg.norm(residual) < 1e-4 * np.linalg.norm(low_rank)
+    zero = GEP_MODULE._orthonormalize(tf.zeros([50, 7]), loop_free).numpy()  # pylint: disable=protected-access
+    np.testing.assert_array_equal(zero, np.zeros([50, 7]))
+
+
+@pytest.mark.parametrize('k', [1, 2, 30, 256])
+def test_newton_schulz_steps_converge_at_the_shift(k):
+  # A Gram matrix of rank one: k - 1 eigenvalues are the shift alone, the
+  # slowest to converge. Diagonal, so that rounding of the large eigenvalue
+  # does not move the small ones (in a rotated basis it does, by about
+  # 1e-16 / GRAM_SHIFT relative, in any factorization). Two steps fewer
+  # leave 1e-9 at k = 2.
+  gram = np.zeros((k, k))
+  gram[0, 0] = 1.0
+  got = GEP_MODULE._inverse_sqrt(  # pylint: disable=protected-access
+      tf.constant(gram), GEP_MODULE.newton_schulz_steps(k)).numpy()
+  shift = GEP_MODULE.GRAM_SHIFT + 1e-30
+  np.testing.assert_allclose(np.diag(got), np.diag(gram + shift)**-0.5,
+                             rtol=1e-12)
+  np.testing.assert_array_equal(got, np.diag(np.diag(got)))
