@@ -39,13 +39,15 @@ $(STAMP3): constraints-keras3.txt setup.cfg pyproject.toml
 
 # Both suites; Stack B is skipped, with the reason, only where Python 3.12
 # is missing. Two test processes each (pytest-xdist): the suites are mostly
-# single-threaded Python and graph tracing, and CI has two cores.
+# single-threaded Python and graph tracing, and CI has two cores. Each run
+# lists its slowest tests: the suite's time is every session's iteration time.
+DURATIONS := --durations=25
 test: test-keras2 test-onednn-off
 	@if [ -n "$(PYTHON_KERAS3)" ]; then $(MAKE) --no-print-directory test-keras3; \
 	else echo "SKIPPED the Keras 3 suite (Stack B): no Python 3.12 found (set PYTHON_KERAS3)"; fi
 
 test-keras2: $(STAMP)
-	$(PY) -m pytest -m "not slow" -q -n 2
+	$(PY) -m pytest -m "not slow" -q -n 2 $(DURATIONS)
 
 # The convolution tests again on TensorFlow's own CPU kernels, as on CPUs
 # where TensorFlow leaves oneDNN off (AMD, AVX2 only). oneDNN replaces the
@@ -66,7 +68,7 @@ test-onednn-off: $(STAMP)
 	  -k "$(ONEDNN_OFF_MODELS)" $(ONEDNN_OFF_TESTS)
 
 test-keras3: $(STAMP3)
-	$(PY3) -m pytest -m "not slow" -q -n 2
+	$(PY3) -m pytest -m "not slow" -q -n 2 $(DURATIONS)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2
