@@ -9,7 +9,7 @@ each way every step, or fail under soft placement off. The same steps lower
 to XLA (`jit_compile=True`), which places the whole step on the device.
 
 GEP takes its GPU form (`loop_free`) here, as where TensorFlow sees a GPU;
-the exported XLA step of it runs no more loops than DP-SGD's but two.
+its exported XLA step holds at most two loops more than DP-SGD's.
 
 docs/performance.md lists what this does and does not say about GPU speed.
 """
@@ -115,7 +115,7 @@ def test_an_op_without_a_gpu_kernel_is_found():
 
 # HLO instructions XLA runs as loops: `while`, and Cholesky factorizations,
 # which XLA expands into loops over columns (on a GPU a few kernel launches
-# per column; the H200 profile in docs/gep.md).
+# per column; the H200 profile in docs/performance.md).
 LOOPS = re.compile(r'[\s)}](while|cholesky)\(')
 
 
