@@ -1,5 +1,6 @@
-"""GEP's orthonormalizations and factorizations as functions: each form
-against the obvious computation, at the conditions power-method outputs have.
+"""GEP's orthonormalizations and factorizations: each form against the obvious
+computation, at the conditions power-method outputs have, and the forms'
+bases against each other (tests that take no part in test_gep.py's forms).
 """
 
 import math
@@ -9,7 +10,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.privatizers.test_gep import _flat, _grads, KEY, M, N
+from tfdpx import gradients
 from tfdpx import privatizers
+from tfdpx.privatizers.gep import allocate_bases
 
 GEP_MODULE = sys.modules[privatizers.GEP.__module__]
 
@@ -128,3 +132,42 @@ def test_newton_schulz_steps_converge_at_the_shift(k):
   np.testing.assert_allclose(np.diag(got), np.diag(gram + shift)**-0.5,
                              rtol=1e-12)
   np.testing.assert_array_equal(got, np.diag(np.diag(got)))
+
+
+def test_groups_in_coordinates_batched_get_the_bases_they_get_alone():
+  # The groups in the anchors' coordinates are factored as one batch, each
+  # padded to the largest basis with zero columns: each group's coordinates
+  # are those of the same passes on that group alone.
+  privatizer = privatizers.gep(60, 1.0, 1.0, 1.0, groups=[[0], [1], [2]])
+  public = gradients.as_per_example_gradients(_grads(5, M))
+  segments = privatizer._segments(public.shapes)  # pylint: disable=protected-access
+  ks = allocate_bases([600, 30, 370], 60, M)
+  assert len(set(ks)) == 3  # Padded by different numbers of columns.
+  together, grams = privatizer._coordinates(  # pylint: disable=protected-access
+      public, KEY, segments, [0, 1, 2], ks)
+  for j, (w, gram) in enumerate(zip(together, grams)):
+    (alone,), (gram_alone,) = privatizer._coordinates(  # pylint: disable=protected-access
+        public, KEY, segments, [j], [ks[j]])
+    np.testing.assert_array_equal(gram.numpy(), gram_alone.numpy())
+    assert w.shape == (M, ks[j])
+    np.testing.assert_allclose(w.numpy(), alone.numpy(), rtol=0,
+                               atol=1e-9 * np.abs(alone.numpy()).max())
+
+
+def test_loop_free_bases_release_what_cholesky_qr_bases_release(monkeypatch):
+  # The same Gaussian start as the explicit form's (its public substream) and
+  # an orthonormal basis of the same span: at zero noise the same release,
+  # with both parts clipped.
+  monkeypatch.setattr(gradients.MaterializedGradients, 'cross_gram_forms',
+                      lambda self, other: [False] * len(self.shapes))
+  grads, public = _grads(20, N, tf.float64), _grads(21, M, tf.float64)
+  releases = []
+  for loop_free in (False, True):
+    privatizer = privatizers.gep(60, 0.5, 0.3, 0.0, num_groups=3,
+                                 loop_free=loop_free)
+    out, _ = privatizer.update(grads, {}, KEY, public_grads=public)
+    releases.append(_flat([o[np.newaxis] for o in out]))
+  cholesky_qr, loop_free = releases
+  assert (np.linalg.norm(loop_free - cholesky_qr) <=
+          1e-5 * np.linalg.norm(cholesky_qr))
+  assert np.linalg.norm(cholesky_qr) > 1.0  # The clips hold the release.

@@ -415,23 +415,23 @@ def _orthonormalize_coordinates(anchor_gram: tf.Tensor,
 GRAM_BLOCK_ROWS = 2**16
 
 
+def _blocks64(matrix: tf.Tensor) -> List[tf.Tensor]:
+  """A `[p, k]` matrix's blocks of rows, each cast to float64."""
+  return [tf.cast(matrix[start:start + GRAM_BLOCK_ROWS], tf.float64)
+          for start in range(0, matrix.shape[0], GRAM_BLOCK_ROWS)]
+
+
 def _gram64(matrix: tf.Tensor) -> tf.Tensor:
   """`X^T X` (`[k, k]`, float64) of a `[p, k]` matrix, block by block."""
-  total = None
-  for start in range(0, matrix.shape[0], GRAM_BLOCK_ROWS):
-    block = tf.cast(matrix[start:start + GRAM_BLOCK_ROWS], tf.float64)
-    gram = tf.matmul(block, block, transpose_a=True)
-    total = gram if total is None else total + gram
-  return total
+  return tf.add_n([tf.matmul(block, block, transpose_a=True)
+                   for block in _blocks64(matrix)])
 
 
 def _times64(matrix: tf.Tensor, factor: tf.Tensor) -> tf.Tensor:
   """`X F` (`X`'s dtype) of a `[p, k]` matrix and a float64 `[k, k]` one,
   summed in float64 block by block."""
-  return tf.concat([
-      tf.cast(tf.matmul(tf.cast(matrix[start:start + GRAM_BLOCK_ROWS],
-                                tf.float64), factor), matrix.dtype)
-      for start in range(0, matrix.shape[0], GRAM_BLOCK_ROWS)], axis=0)
+  return tf.concat([tf.cast(tf.matmul(block, factor), matrix.dtype)
+                    for block in _blocks64(matrix)], axis=0)
 
 
 def gpu_visible() -> bool:
@@ -756,23 +756,23 @@ class GEP(core.Privatizer):
     sizes = [int(s.num_elements()) for s in shapes]
     return _group_segments(sizes, self._num_groups, self._groups)
 
-  def _is_loop_free(self) -> bool:
-    return gpu_visible() if self._loop_free is None else self._loop_free
-
   def _gram_groups(self, segments, grads, public) -> List[bool]:
-    """Per group, whether it works in the anchors' coordinates (`_Subspace`):
-    when the private and the anchor gradients have cross Gram forms for all
-    its variables, and the bases are not loop-free."""
-    if self._is_loop_free():
-      return [False] * len(segments)
+    """Per group, whether it can work in the anchors' coordinates
+    (`_Subspace`): when the private and the anchor gradients have cross Gram
+    forms for all its variables."""
     private, anchors = (grads.cross_gram_forms(public),
                         public.cross_gram_forms(public))
     return [all(private[v] and anchors[v] for v, _, _ in group)
             for group in segments]
 
-  def _subspaces(self, public, seed, segments, gram_groups
-                ) -> List[_Subspace]:
-    """Each group's basis from public data only (see `bases`)."""
+  def _subspaces(self, public, seed, segments, grads) -> List[_Subspace]:
+    """Each group's basis from public data only (see `bases`); `grads`, the
+    private per-example gradients, decide which groups work in the anchors'
+    coordinates (none in the loop-free form: its bases are all explicit)."""
+    # Decided once per trace: every group's basis takes the same form.
+    loop_free = gpu_visible() if self._loop_free is None else self._loop_free
+    gram_groups = ([False] * len(segments) if loop_free else
+                   self._gram_groups(segments, grads, public))
     num_public = tf.get_static_value(public.batch_size())
     sizes = [sum(stop - start for _, start, stop in group)
              for group in segments]
@@ -814,7 +814,7 @@ class GEP(core.Privatizer):
           basis = _orthonormalize(_anchor_sums(
               public, _embeddings(public, _directions(
                   basis, group, public.shapes), group), group),
-                                  self._is_loop_free())
+                                  loop_free)
       explicit.append(basis)
       subspaces[j] = _Subspace(basis=basis)
     return subspaces
@@ -888,8 +888,7 @@ class GEP(core.Privatizer):
     grads = (public if per_example_grads is None else
              gradients.as_per_example_gradients(per_example_grads))
     segments = self._segments(public.shapes)
-    subspaces = self._subspaces(public, seed, segments,
-                                self._gram_groups(segments, grads, public))
+    subspaces = self._subspaces(public, seed, segments, grads)
     return [_explicit_basis(public, sub, group)
             for sub, group in zip(subspaces, segments)]
 
@@ -968,9 +967,7 @@ class GEP(core.Privatizer):
       return public
 
     def subspaces(public):
-      return self._subspaces(
-          public, seed, segments,
-          self._gram_groups(segments, per_example_grads, public))
+      return self._subspaces(public, seed, segments, per_example_grads)
 
     if self._refresh_steps == 1:
       public = anchors()
