@@ -44,6 +44,15 @@ at B plus DP-SGD's step at A, the three interleaved in one process
 (`gep_rule_row`, models `--gep_rule_models`); with `--memory`, GEP's peak at
 batch B over DP-SGD's at B + A (`gep_memory_row`, `--gep_memory`).
 
+The encoder (BERT-mini-like, 5.2M weights) has a protocol of its own
+(issue 56): at batch 32 (`--encoder_batch`) a step takes under a second, and
+3 steps x 3 rounds swung its ratios by half between runs. Its table
+(`encoder_rows`) times `--encoder_steps` (12) steps a fit call over
+`--encoder_repetitions` (6) rounds, fed by `fit(x, y, batch_size=32)`, and
+gives beside each figure its spread: the range of the configuration's
+per-round ratios, each round over the baseline's same round (adjacent in
+time, so that load on the machine cancels).
+
 Every results file starts with the machine it ran on (`machine_record`):
 figures from different machines are never compared.
 
@@ -108,6 +117,17 @@ flags.DEFINE_list(
     'gep_memory', ['cifar_cnn:1024', 'encoder:64'],
     '"model:batch" pairs: GEP\'s peak memory at the batch against DP-SGD\'s '
     'at the batch plus the anchors\' count (with --memory).')
+flags.DEFINE_list(
+    'encoder_privatizers', ['gaussian', 'dpdr', 'sparsified', 'd2p2', 'geodp'],
+    'Privatizers of the encoder\'s table (its protocol, issue 56). Empty: no '
+    'such table. GEP is in the GEP rule\'s.')
+flags.DEFINE_integer('encoder_batch', 32, 'Batch size of the encoder\'s table.')
+flags.DEFINE_integer('encoder_steps', 12,
+                     'Steps per timed fit call in the encoder\'s table.')
+flags.DEFINE_integer('encoder_repetitions', 6,
+                     'Timed rounds of the encoder\'s table.')
+flags.DEFINE_string('encoder_pipeline', 'numpy',
+                    'Input pipeline of the encoder\'s table.')
 flags.DEFINE_string('out', None, 'Also write the tables to this file.')
 flags.DEFINE_string(
     'virtual_batches', None,
@@ -266,13 +286,14 @@ def _fit_seconds(model, feed):
   return time.perf_counter() - start
 
 
-def _warmed_up(model_name, pipeline, runs):
+def _warmed_up(model_name, pipeline, runs, steps=None):
   """{(batch, config): (model, feed)} of `runs` ((batch, config) pairs),
-  each built and warmed up by one whole `fit` call."""
+  each built and warmed up by one whole `fit` call of `steps` (`--steps`)."""
   built, feeds = {}, {}
   for batch, config in runs:
     if batch not in feeds:  # One feed per batch size, as `time_model`.
-      feeds[batch] = pipeline_feed(model_name, batch, FLAGS.steps, pipeline)
+      feeds[batch] = pipeline_feed(model_name, batch, steps or FLAGS.steps,
+                                   pipeline)
     built[batch, config] = (build(model_name, batch, config), feeds[batch])
     _fit_seconds(*built[batch, config])  # Traces and compiles.
   return built
@@ -290,15 +311,42 @@ def time_model(model_name, batch, pipelines):
   return _fastest_steps(runs)
 
 
+def _round_steps(runs, steps, repetitions):
+  """{run: seconds per step of each round} of `runs` ({run: (model, feed)},
+  warmed up, `steps` a feed): `repetitions` rounds, round-robin."""
+  rounds = {run: [] for run in runs}
+  for _ in range(repetitions):
+    for run, (model, feed) in runs.items():
+      rounds[run].append(_fit_seconds(model, feed) / steps)
+  return rounds
+
+
 def _fastest_steps(runs):
   """{run: seconds per step} of `runs` ({run: (model, feed)}, warmed up):
   `--repetitions` rounds round-robin, each run's fastest whole `fit` call
   over `--steps`."""
-  best = {run: float('inf') for run in runs}
-  for _ in range(FLAGS.repetitions):
-    for run, (model, feed) in runs.items():
-      best[run] = min(best[run], _fit_seconds(model, feed))
-  return {run: seconds / FLAGS.steps for run, seconds in best.items()}
+  return {run: min(seconds) for run, seconds in _round_steps(
+      runs, FLAGS.steps, FLAGS.repetitions).items()}
+
+
+def encoder_rows():
+  """The encoder's table (its protocol, see the module docstring): per
+  configuration ms a step (fastest round), the ratio to the fastest
+  baseline, and the range of the per-round ratios to that baseline."""
+  batch, steps = FLAGS.encoder_batch, FLAGS.encoder_steps
+  runs = [(batch, config) for config in BASELINES] + [
+      (batch, f'tfdpx {name}') for name in FLAGS.encoder_privatizers]
+  rounds = _round_steps(
+      _warmed_up('encoder', FLAGS.encoder_pipeline, runs, steps), steps,
+      FLAGS.encoder_repetitions)
+  baseline = min(runs[:len(BASELINES)], key=lambda run: min(rounds[run]))
+  rows = []
+  for run in runs:
+    paired = [t / b for t, b in zip(rounds[run], rounds[baseline])]
+    rows.append(f'| {run[1]} | {1000 * min(rounds[run]):.1f} | '
+                f'{min(rounds[run]) / min(rounds[baseline]):.2f} | '
+                f'{min(paired):.2f}-{max(paired):.2f} |')
+  return rows
 
 
 def gep_rule_row(model_name, batch):
@@ -510,6 +558,19 @@ def speed_and_memory_tables(emit):
     for model_name in FLAGS.gep_rule_models:
       emit(gep_rule_row(model_name, FLAGS.gep_rule_batch))
       tf.keras.backend.clear_session()
+  if FLAGS.encoder_privatizers:
+    emit()
+    emit(f'The encoder at batch {FLAGS.encoder_batch}, pipeline '
+         f'{FLAGS.encoder_pipeline}, {FLAGS.encoder_steps} steps a fit call, '
+         f'{FLAGS.encoder_repetitions} rounds: the fastest round\'s step and '
+         f'its ratio to the fastest baseline\'s, and the range of the '
+         f'per-round ratios (each round over the baseline\'s same round).')
+    emit()
+    emit('| configuration | ms/step | x non-private | per-round x |')
+    emit('|---|---:|---:|---:|')
+    for row in encoder_rows():
+      emit(row)
+    tf.keras.backend.clear_session()
   if FLAGS.memory and FLAGS.gep_memory:
     emit()
     emit(f'GEP\'s peak at batch B against DP-SGD\'s at B + A (fresh '
