@@ -332,7 +332,8 @@ def _fastest_steps(runs):
 def encoder_rows():
   """The encoder's table (its protocol, see the module docstring): per
   configuration ms a step (fastest round), the ratio to the fastest
-  baseline, and the range of the per-round ratios to that baseline."""
+  baseline, the range of the per-round ratios to that baseline, and each
+  round's ms a step."""
   batch, steps = FLAGS.encoder_batch, FLAGS.encoder_steps
   runs = [(batch, config) for config in BASELINES] + [
       (batch, f'tfdpx {name}') for name in FLAGS.encoder_privatizers]
@@ -345,7 +346,8 @@ def encoder_rows():
     paired = [t / b for t, b in zip(rounds[run], rounds[baseline])]
     rows.append(f'| {run[1]} | {1000 * min(rounds[run]):.1f} | '
                 f'{min(rounds[run]) / min(rounds[baseline]):.2f} | '
-                f'{min(paired):.2f}-{max(paired):.2f} |')
+                f'{min(paired):.2f}-{max(paired):.2f} | '
+                f'{", ".join(f"{1000 * t:.0f}" for t in rounds[run])} |')
   return rows
 
 
@@ -566,8 +568,9 @@ def speed_and_memory_tables(emit):
          f'its ratio to the fastest baseline\'s, and the range of the '
          f'per-round ratios (each round over the baseline\'s same round).')
     emit()
-    emit('| configuration | ms/step | x non-private | per-round x |')
-    emit('|---|---:|---:|---:|')
+    emit('| configuration | ms/step | x non-private | per-round x | '
+         'ms/step of each round |')
+    emit('|---|---:|---:|---:|---|')
     for row in encoder_rows():
       emit(row)
     tf.keras.backend.clear_session()
