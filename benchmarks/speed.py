@@ -45,13 +45,16 @@ at B plus DP-SGD's step at A, the three interleaved in one process
 batch B over DP-SGD's at B + A (`gep_memory_row`, `--gep_memory`).
 
 The encoder (BERT-mini-like, 5.2M weights) has a protocol of its own
-(issue 56): at batch 32 (`--encoder_batch`) a step takes under a second, and
-3 steps x 3 rounds swung its ratios by half between runs. Its table
-(`encoder_rows`) times `--encoder_steps` (12) steps a fit call over
-`--encoder_repetitions` (6) rounds, fed by `fit(x, y, batch_size=32)`, and
-gives beside each figure its spread: the range of the configuration's
-per-round ratios, each round over the baseline's same round (adjacent in
-time, so that load on the machine cancels).
+(issue 56): at batch 32 (`--encoder_batch`) a step takes 0.3 to 1.3 s on
+the 2-core machines, and 3 steps x 3 rounds swung its ratios by half between
+runs. Its table (`encoder_rows`) times `--encoder_steps` (12) steps a fit
+call over `--encoder_repetitions` (6) rounds, fed by `fit(x, y,
+batch_size=32)`, and gives beside each figure its spread: the range of the
+configuration's per-round ratios, each round over the baseline's same round
+(adjacent in time, so that load on the machine cancels), and every round's
+step. That feed's dataset is built inside Keras with tf.data's autotuning
+on (`_without_autotuning` cannot reach it): two runs on 2026-12-03
+disagreed through its fixed-time fit endings (benchmarks/README.md).
 
 Every results file starts with the machine it ran on (`machine_record`):
 figures from different machines are never compared.
