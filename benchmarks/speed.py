@@ -48,13 +48,15 @@ The encoder (BERT-mini-like, 5.2M weights) has a protocol of its own
 (issue 56): at batch 32 (`--encoder_batch`) a step takes 0.3 to 1.3 s on
 the 2-core machines, and 3 steps x 3 rounds swung its ratios by half between
 runs. Its table (`encoder_rows`) times `--encoder_steps` (12) steps a fit
-call over `--encoder_repetitions` (6) rounds, fed by `fit(x, y,
-batch_size=32)`, and gives beside each figure its spread: the range of the
-configuration's per-round ratios, each round over the baseline's same round
-(adjacent in time, so that load on the machine cancels), and every round's
-step. That feed's dataset is built inside Keras with tf.data's autotuning
-on (`_without_autotuning` cannot reach it): two runs on 2026-12-03
-disagreed through its fixed-time fit endings (benchmarks/README.md).
+call over `--encoder_repetitions` (6) rounds, fed by
+`tf.data.Dataset.from_tensor_slices((x, y)).batch(32)` (`--encoder_pipeline`,
+autotuning off as for every feed of `pipeline_feed`), and gives beside each
+figure its spread: the range of the configuration's per-round ratios, each
+round over the baseline's same round (adjacent in time, so that load on the
+machine cancels), and every round's step. Not `fit(x, y, batch_size=32)`:
+Keras builds that feed's dataset itself with autotuning on, out of reach of
+`_without_autotuning`, and two runs on 2026-12-03 disagreed through its
+fixed-time fit endings (benchmarks/README.md).
 
 Every results file starts with the machine it ran on (`machine_record`):
 figures from different machines are never compared.
@@ -129,8 +131,11 @@ flags.DEFINE_integer('encoder_steps', 12,
                      'Steps per timed fit call in the encoder\'s table.')
 flags.DEFINE_integer('encoder_repetitions', 6,
                      'Timed rounds of the encoder\'s table.')
-flags.DEFINE_string('encoder_pipeline', 'numpy',
-                    'Input pipeline of the encoder\'s table.')
+flags.DEFINE_string(
+    'encoder_pipeline', 'tfdata',
+    'Input pipeline of the encoder\'s table. Not numpy: Keras builds that '
+    'feed\'s dataset with tf.data\'s autotuning on, whose fixed-time fit '
+    'endings made two runs disagree (benchmarks/README.md).')
 flags.DEFINE_string('out', None, 'Also write the tables to this file.')
 flags.DEFINE_string(
     'virtual_batches', None,
