@@ -98,9 +98,9 @@ flags.DEFINE_enum('d2p2_projection', 'srht', ['srht', 'gaussian', 'none'],
 flags.DEFINE_float('d2p2_projection_ratio', 0.3,
                    'D2P2: projected dimension over the variable size.')
 flags.DEFINE_float('d2p2_gamma', 0.01, 'D2P2: automatic clipping constant.')
-flags.DEFINE_enum('d2p2_back_projection', 'paper', ['paper', 'unbiased'],
-                  "D2P2: the paper's gain of the back-projection, or the one "
-                  'whose expectation is the clipped sum (docs/d2p2.md).')
+flags.DEFINE_enum('d2p2_back_projection', 'unbiased', ['unbiased', 'paper'],
+                  'D2P2: the gain of the back-projection whose expectation is '
+                  "the clipped sum, or the paper's (docs/d2p2.md).")
 flags.DEFINE_integer('gep_num_bases', 100, 'GEP: number of basis vectors.')
 flags.DEFINE_float('gep_residual_l2_norm_clip', None,
                    'GEP: clip norm of the residual (default l2_norm_clip / 5);'

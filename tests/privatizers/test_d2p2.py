@@ -225,6 +225,7 @@ def _released(privatizer, d, trials, z):
 def test_mode_n_noise_is_z_in_d_space_projected():
   d, z, trials = 64, 1.7, 200
   privatizer = tfdpx.privatizers.d2p2(z, projection='gaussian',
+                                      back_projection='paper',
                                       resample_projection='never')
   outs, p, key = _released(privatizer, d, trials, z)
   a = projections.gaussian_dense(key, d, p).numpy().astype('float64')
@@ -242,7 +243,8 @@ def test_mode_c_noise_is_z_delta_in_p_space():
   d, z, trials = 64, 0.9, 300
   privatizer = tfdpx.privatizers.d2p2(z, projection='gaussian',
                                       projection_order='project_first',
-                         resample_projection='never')
+                                      back_projection='paper',
+                                      resample_projection='never')
   outs, p, key = _released(privatizer, d, trials, z)
   a = projections.gaussian_dense(key, d, p).numpy().astype('float64')
   coef, *_ = np.linalg.lstsq(a, outs.T, rcond=None)
@@ -275,15 +277,20 @@ def test_mode_o_noise_is_z_in_p_space(gain):
       0, [(d,)]))
 
 
-def test_mode_n_expected_output_noise_std():
+@pytest.mark.parametrize('gain', ['paper', 'unbiased'])
+def test_mode_n_expected_output_noise_std(gain):
   d, z, trials = 40, 1.0, 300
-  privatizer = tfdpx.privatizers.d2p2(z, projection='gaussian')  # Resampled: mean over A.
+  privatizer = tfdpx.privatizers.d2p2(  # Resampled: the mean over A.
+      z, projection='gaussian', back_projection=gain)
   update = tf.function(privatizer.update)
   outs = [update([tf.zeros((2, d))], {'step': tf.constant(t, tf.int64)},
                  tf.constant([t, 9], tf.int64))[0][0].numpy()
           for t in range(trials)]
   expected = privatizer.expected_output_noise_std(0, [(d,)])
-  assert expected == pytest.approx(z * math.sqrt(12 + d + 1))
+  p = privatizer.projected_dim((d,))
+  assert p == 12
+  assert expected == pytest.approx(
+      z * math.sqrt(p + d + 1) / (1 if gain == 'paper' else math.sqrt(p)))
   # Coordinates share one A per trial; trials are independent: compare the
   # mean squared value over trials with its standard error.
   per_trial = np.mean(np.square(outs), axis=1)
