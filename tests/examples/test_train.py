@@ -212,9 +212,9 @@ def test_validation_examples_are_held_out_of_training(capsys):
 def test_d2p2_back_projection_flag_reaches_the_privatizer():
   train.FLAGS.unparse_flags()
   train.FLAGS(['train.py', '--privatizer=d2p2',
-               '--d2p2_back_projection=unbiased'])
+               '--d2p2_back_projection=paper'])  # Not the default.
   privatizer = train.build_privatizer(1.0, steps_per_epoch=10)
-  assert privatizer.config['back_projection'] == 'unbiased'
+  assert privatizer.config['back_projection'] == 'paper'
 
 
 def test_a_run_without_seed_draws_one_that_keras_accepts():
