@@ -80,7 +80,8 @@ class D2P2(core.Privatizer):
     `Delta_k`. Every step is therefore `GaussianDpEvent(z_k)` with `z_k` the
     schedule's multiplier of that step (0-based `step`, read by the graph from
     the state's step counter and by `dp_event` from the same schedule object).
-    The projection is public and data-independent.
+    The projection and the back-projection gain are public and
+    data-independent: post-processing.
 
   References:
     Jiang, Hasan, Saadati, Balu, Liu, Sarkar, "Balancing Utility and Privacy:
