@@ -648,3 +648,21 @@ def test_a_small_residual_of_a_large_gradient_stays_within_its_clip():
     out, _ = privatizer.update(one, {}, KEY, public_grads=public)
     worst = max(worst, np.linalg.norm(_flat([o[np.newaxis] for o in out])))
   assert worst <= 1.0 + 1e-4
+
+
+@pytest.mark.parametrize('side_by_side_bytes, chained', [(0, True),
+                                                         (2**30, False)])
+def test_large_explicit_bases_are_built_one_group_after_another(
+    side_by_side_bytes, chained, basis_form, monkeypatch):
+  # Above SIDE_BY_SIDE_BYTES each group's basis waits for the previous one's
+  # (one group's [p_j, k_j] temporaries alive at a time); below, none waits.
+  # In the anchors' coordinates there is no explicit basis to wait for.
+  chained = chained and basis_form != 'anchor coordinates'
+  monkeypatch.setattr(GEP_MODULE, 'SIDE_BY_SIDE_BYTES', side_by_side_bytes)
+  grads, public = _low_rank_problem(rank=5, seed=8)
+  privatizer = privatizers.gep(30, 1.0, 1.0, 1.0, groups=[[0], [1], [2]])
+  graph = tf.function(lambda: privatizer.update(
+      grads, privatizer.init([tf.zeros(s) for s in SHAPES]), KEY,
+      public_grads=public)).get_concrete_function().graph
+  waiting = [op for op in graph.get_operations() if op.control_inputs]
+  assert bool(waiting) == chained

@@ -39,14 +39,14 @@ def test_the_blocked_cholesky_factor_is_tf_linalg_cholesky(m, batch):
 
 
 @pytest.mark.parametrize('condition', [1e2, 1e6, 1e10])
-def test_passes_in_coordinates_are_shifted_cholesky_qr_from_k(condition):
-  # The passes in the anchors' coordinates against the obvious ones in
-  # numpy, each forming `W^T K W` from `K`, on anchors whose singular values
-  # span `condition`, from a start whose directions are as badly scaled.
-  # Carrying `K W` from pass to pass instead (`K W' = (K W) L^-T`, one
-  # `[m, m] x [m, k]` product a pass saved) gave NaN at 1e10: after an
-  # ill-conditioned pass the carried product no longer gives a positive
-  # definite Gram matrix.
+def test_coordinates_give_the_basis_of_shifted_cholesky_qr_from_k(condition):
+  # The QR form in the anchors' coordinates (`L^-T Q` from `L^T W = Q R`)
+  # against the obvious passes in numpy, shifted Cholesky QR on `W^T (K +
+  # s I) W`, on anchors whose singular values span `condition`, from a start
+  # whose directions are as badly scaled. Compared as bases `A^T W`, the
+  # release's: at 1e10 the passes' own `W` differ by 3e-5 from that of an
+  # explicit Householder QR of `A_s^T W`, in directions `A^T` maps to
+  # nearly nothing.
   rng = np.random.default_rng(int(math.log10(condition)))
   m, p, k = 64, 300, 12
 
@@ -59,15 +59,16 @@ def test_passes_in_coordinates_are_shifted_cholesky_qr_from_k(condition):
   shifted = gram + (1e-12 * np.trace(gram)) * np.eye(m)
   start = scaled(m, k) @ rng.normal(size=(k, k))
   want = start
-  for _ in range(GEP_MODULE.CHOLESKY_QR_PASSES):
+  for _ in range(3):
     basis_gram = want.T @ shifted @ want
     factor = np.linalg.cholesky(
         basis_gram + (1e-13 * np.trace(basis_gram) + 1e-30) * np.eye(k))
     want = want @ np.linalg.inv(factor).T
   got = GEP_MODULE._orthonormalize_coordinates(  # pylint: disable=protected-access
-      tf.constant(shifted), tf.constant(start)).numpy()
-  assert (np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want))
-  basis = anchors.T @ got
+      tf.constant(np.linalg.cholesky(shifted)), tf.constant(start)).numpy()
+  basis, want_basis = anchors.T @ got, anchors.T @ want
+  assert (np.linalg.norm(basis - want_basis) <=
+          1e-5 * np.linalg.norm(want_basis))
   np.testing.assert_allclose(basis.T @ basis, np.eye(k), atol=1e-6)
 
 

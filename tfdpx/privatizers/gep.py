@@ -6,6 +6,7 @@ embedding in that subspace and the residual, and releases both parts, each
 clipped and noised, from the same sampled batch. Spec: shared/specs/gep.md.
 """
 
+import contextlib
 import math
 import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -111,13 +112,22 @@ def _window(shape: tf.TensorShape, start: int, stop: int
   return (first, last), first * per_row, [last - first] + shape.as_list()[1:]
 
 
-def _after(tensors: Sequence[tf.Tensor]):
-  """Runs what is built in the context after `tensors` (in a graph).
+# Explicit bases whose `[p_j, k_j]` entries, over all groups, take at most
+# this many float32 bytes run side by side: chaining them (`_after`) cost
+# the tutorial CNN's step 10% (its groups' bases are 0.6 MiB each).
+SIDE_BY_SIDE_BYTES = 16 * 2**20
+
+
+def _after(tensors: Sequence[tf.Tensor], basis_entries: int):
+  """Runs what is built in the context after `tensors` (in a graph), unless
+  the explicit bases have at most `SIDE_BY_SIDE_BYTES` of entries in all.
 
   The groups are independent, so a graph would run them side by side with
   all their `[p_j, k_j]` temporaries alive at once (measured: 3x the memory
   of one group on the text model); chained, one group's are alive at a time.
   """
+  if 4 * basis_entries <= SIDE_BY_SIDE_BYTES:
+    return contextlib.nullcontext()
   return tf.control_dependencies([t for t in tensors if t is not None])
 
 
@@ -393,20 +403,26 @@ ANCHOR_GRAM_SHIFT = 1e-12
 MAX_AMPLIFICATION = 2.0**10
 
 
-def _orthonormalize_coordinates(anchor_gram: tf.Tensor,
+def _orthonormalize_coordinates(factor: tf.Tensor,
                                 coordinates: tf.Tensor) -> tf.Tensor:
   """`_orthonormalize(A^T W)` as `A^T W'`: returns `W'` (float64 `[..., m,
-  k]`, a batch of groups' `K` and `W` at once).
+  k]`, a batch of groups' factors and `W` at once).
 
-  The same passes, with the Gram matrix of `A^T W` taken as `W^T K W` (`K =
-  A A^T`): the `R` factor, and so the basis, is the one `_orthonormalize`
-  gives, at a cost in `m` (anchors), not in `p_j` (parameters).
+  `factor` is `L` (`[..., m, m]`, lower triangular), `L L^T = K + s I` for
+  `K = A A^T`. An `A` with that Gram matrix is `L Q_A^T` with orthonormal
+  `Q_A` (`[p, m]`), so `A^T W = Q_A (L^T W)`: the QR factor of `A^T W` is
+  `Q_A` times that of the small `L^T W = Q R`, and `W' = L^-T Q`. The same
+  basis as shifted Cholesky QR's passes on `W^T (K + s I) W` give (the `R`
+  with a positive diagonal is unique), from one Householder QR of an `[m,
+  k]` matrix and one triangular solve, at a cost in `m` (anchors), not in
+  `p_j` (parameters).
   """
-  w = coordinates
-  for _ in range(CHOLESKY_QR_PASSES):
-    gram = tf.matmul(w, tf.matmul(anchor_gram, w), transpose_a=True)
-    w = tf.matmul(w, _inverse_factor(gram), transpose_b=True)
-  return w
+  q, r = tf.linalg.qr(tf.matmul(factor, coordinates, transpose_a=True))
+  # Householder QR leaves the signs of R's diagonal free: made positive.
+  signs = tf.where(tf.linalg.diag_part(r) < 0, -1.0, 1.0)
+  return tf.linalg.triangular_solve(
+      factor, q * tf.cast(signs, q.dtype)[..., tf.newaxis, :], lower=True,
+      adjoint=True)
 
 
 # Rows of a `[p, k]` matrix cast to float64 at a time for its Gram matrix:
@@ -437,6 +453,15 @@ def _times64(matrix: tf.Tensor, factor: tf.Tensor) -> tf.Tensor:
 def gpu_visible() -> bool:
   """Whether TensorFlow sees a GPU: GEP's form when `loop_free` is None."""
   return bool(tf.config.list_logical_devices('GPU'))
+
+
+def _entries(sub: _Subspace) -> int:
+  """Entries of a group's explicit basis (0 in the anchors' coordinates)."""
+  if sub.coordinates is not None:
+    return 0
+  if sub.basis is not None:
+    return sub.basis.shape.num_elements()
+  return sum(d.shape.num_elements() for d in sub.directions)
 
 
 def _flat(per_example: Sequence[tf.Tensor]) -> List[tf.Tensor]:
@@ -790,7 +815,9 @@ class GEP(core.Privatizer):
           public, seed, segments, in_coordinates,
           [ks[j] for j in in_coordinates])):
         subspaces[j] = _Subspace(coordinates=w, anchor_gram=gram)
-    explicit = []  # The explicit bases built so far, one after the other.
+    explicit = []  # The explicit bases built so far.
+    entries = sum(size * k for j, (size, k) in enumerate(zip(sizes, ks))
+                  if j not in in_coordinates)
     for j, (group, size, k) in enumerate(zip(segments, sizes, ks)):
       if subspaces[j] is not None:
         continue
@@ -799,7 +826,7 @@ class GEP(core.Privatizer):
         subspaces[j] = _Subspace(basis=tf.zeros(
             [size, 0], public.dtypes[group[0][0]]))
         continue
-      with _after(explicit[-1:]):
+      with _after(explicit[-1:], entries):
         # One power-method step (or more) from a Gaussian start, then
         # orthonormal columns (spec §1.4). All-zero anchors give an all-zero
         # basis, no subspace (spec §5.2 A5). Public randomness: float32
@@ -847,11 +874,12 @@ class GEP(core.Privatizer):
         tf.pad(projections.standard_normal_f32(
             tf.stack([m, k]), noise.substream(seed, f'gep/basis/{j}')),
                [[0, 0], [0, k_max - k]]) for j, k in zip(indices, ks)])
-    w = tf.matmul(_cholesky(shifted), tf.cast(start, tf.float64))
+    factor = _cholesky(shifted)
+    w = tf.matmul(factor, tf.cast(start, tf.float64))
     for step in range(self._power_iterations):
       if step:
         w = tf.matmul(gram, w)  # A B = A A^T W.
-      w = _orthonormalize_coordinates(shifted, w)
+      w = _orthonormalize_coordinates(factor, w)
     # A column of B = A^T W is one of |A|_F |w_c| times the anchors' scale;
     # past MAX_AMPLIFICATION it is a direction the anchors do not span (below
     # 2^-20 of their energy, or not at all) and would only carry rounding of
@@ -976,9 +1004,11 @@ class GEP(core.Privatizer):
     def refreshed():
       public = anchors()
       directions, grams = [], []
+      entries = sum(sum(b - a for _, a, b in group) * kept.shape[0]
+                    for group, kept in zip(segments, state['grams']))
       for sub, group, kept in zip(subspaces(public), segments,
                                   state['grams']):
-        with _after(tf.nest.flatten(directions[-1:])):
+        with _after(tf.nest.flatten(directions[-1:]), entries):
           basis = _explicit_basis(public, sub, group)
           # The Gram matrix of the float32 basis kept, not of the one in
           # the anchors' coordinates it came from: the residual's norm is
@@ -1004,15 +1034,17 @@ class GEP(core.Privatizer):
     _, public, segments, subspaces = plan
     embeddings = []
     # The embeddings on explicit bases ([B, p_j] temporaries) one after the
-    # other, after every basis is built.
+    # other, after every basis is built (for bases of more than
+    # SIDE_BY_SIDE_BYTES).
     before = tf.nest.flatten(subspaces)
+    entries = sum(_entries(sub) for sub in subspaces)
     for group, sub in zip(segments, subspaces):
       if sub.coordinates is not None:  # B^T g = W^T (A g).
         embeddings.append(tf.cast(tf.matmul(
             tf.cast(_cross_gram(grads, public, group, tf.float32),
                     tf.float64), sub.coordinates), tf.float32))
         continue
-      with _after(before):
+      with _after(before, entries):
         directions = (sub.directions if sub.directions is not None else
                       _directions(sub.basis, group, grads.shapes))
         embeddings.append(_embeddings(grads, directions, group))
