@@ -12,6 +12,7 @@ from tfdpx import core
 from tfdpx.keras import recorder
 from tfdpx.keras.stack import optimizers
 from tfdpx.privatizers import gaussian
+from tests.privatizers import cases
 
 L = tf.keras.layers
 NONE = 'none'
@@ -62,6 +63,31 @@ def test_compile_path_and_make_private_give_the_same_noisy_update(
   for a, b, s in zip(plain.get_weights(), private.get_weights(), start):
     assert not np.allclose(a, s)
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize('privatizer, physical_batch_size', [
+    ('gaussian', None), ('gaussian', 4), ('dpdr', None), ('gep', None),
+    ('adaptive(gaussian)', None)])
+def test_fit_traces_the_step_once(privatizer, physical_batch_size,
+                                  monkeypatch):
+  # A variable created in the first trace (the optimizer's, the privatizer
+  # state, the noise key) makes tf.function trace the step a second time.
+  # (Keras's own metrics, built in the first trace, do so for plain models
+  # too: none are compiled here.)
+  case = cases.case_named(privatizer)
+  x, y = _data()
+  model = tfdpx.keras.make_private(
+      _cnn(), public_data=_data(4, seed=1) if case.needs_public else None,
+      physical_batch_size=physical_batch_size)
+  model.compile(_sgd(case.make(1.0, 1.0)), _loss())
+  traces = []
+  step = type(model).train_step
+  monkeypatch.setattr(type(model), 'train_step',
+                      lambda self, data: traces.append(1) or step(self, data))
+  # Batches of 8 and 4 rows: one trace for both (batch dimension None).
+  model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=2,
+            verbose=0)
+  assert len(traces) == 1
 
 
 def test_make_private_shares_layers_and_weights():

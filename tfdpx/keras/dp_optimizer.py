@@ -213,6 +213,11 @@ class DPOptimizerMixin:
     """Creates the DP variables if needed (in an init scope)."""
     raise NotImplementedError
 
+  def _create_weights(self, var_list):
+    """Creates the optimizer's and the DP weights if needed (in an init
+    scope)."""
+    raise NotImplementedError
+
   def _new_key_variable(self, name: str, value: Optional[int]) -> tf.Variable:
     """A variable of the noise key; `value` None draws a secret."""
     raise NotImplementedError
@@ -325,6 +330,27 @@ class DPOptimizerMixin:
         self._dp_state_structure,
         [tf.convert_to_tensor(v) for v in self._dp_state_vars]))
 
+  def create_variables(self, var_list) -> None:
+    """Creates the variables a step writes, before any step is traced.
+
+    The optimizer's own and the DP weights for `var_list` (the variables it
+    will update) and the noise key. A step creates whatever is missing, so
+    this is optional; a model made private calls it before Keras traces its
+    step, since a variable created in the first trace makes tf.function trace
+    the step a second time.
+    """
+    self._create_weights(var_list)
+    self._noise_key_variables()
+
+  def _noise_key_variables(self) -> '_NoiseKey':
+    """The noise key's variables (`_next_noise_key`), created if need be."""
+    if self._noise_key is None:
+      with tf.init_scope():
+        self._noise_key = _NoiseKey(
+            self._new_key_variable('noise_secret', self._noise_seed),
+            self._new_key_variable('noise_counter', 0))
+    return self._noise_key
+
   def _next_noise_key(self) -> tf.Tensor:
     """The key of this step's noise, `[secret, release counter]`; advances it.
 
@@ -342,12 +368,8 @@ class DPOptimizerMixin:
     broadcasts the chief's, so every replica of every worker draws the same
     noise for the same all-reduced sum.
     """
-    if self._noise_key is None:
-      with tf.init_scope():
-        self._noise_key = _NoiseKey(
-            self._new_key_variable('noise_secret', self._noise_seed),
-            self._new_key_variable('noise_counter', 0))
-    secret, counter = self._noise_key.secret, self._noise_key.counter
+    key = self._noise_key_variables()
+    secret, counter = key.secret, key.counter
     count = counter.read_value()
     with tf.control_dependencies([count]):
       advanced = counter.assign_add(1)

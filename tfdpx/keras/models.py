@@ -191,6 +191,13 @@ class _PrivateTraining(keras_version.ModelHooks):
                      self._dp_loss_scale)
     self.train_function = None  # Traced without them.
 
+  def make_train_function(self, force=False):
+    # The optimizer's variables, created before Keras traces the step: one
+    # created in the first trace makes tf.function trace it a second time.
+    if self.built and isinstance(self.optimizer, optimizers.DPOptimizerMixin):
+      self.optimizer.create_variables(self.trainable_variables)
+    return super().make_train_function(force)
+
   def train_step(self, data):
     """One DP step: per-example gradients, `privatize`, apply."""
     x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)

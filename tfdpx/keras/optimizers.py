@@ -110,9 +110,12 @@ class _Keras2DPOptimizer(DPOptimizerMixin):
       return int(tf.keras.backend.get_value(variable))
 
   def _before_release(self, var_list):
+    self._create_weights(var_list)
+    self._was_dp_gradients_called = True  # tensorflow-privacy's check.
+
+  def _create_weights(self, var_list):
     with tf.init_scope():
       self._create_all_weights(var_list)
-    self._was_dp_gradients_called = True  # tensorflow-privacy's check.
 
   @property
   def _examples_per_record_seen(self) -> tf.Variable:

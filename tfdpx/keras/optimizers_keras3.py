@@ -61,10 +61,13 @@ class _Keras3DPOptimizer(DPOptimizerMixin):
           'replicas yet (how Keras 3 reduces the replicas\' gradients and '
           'where it creates the noise key are not verified); train on one '
           'device, or on the Keras 2 stack (docs/keras3.md)')
+    self._create_weights(var_list)
+    self._released.pending = True
+
+  def _create_weights(self, var_list):
     if not self.built:
       with tf.init_scope():
         self.build(var_list)
-    self._released.pending = True
 
   @tracking.no_automatic_dependency_tracking
   def build(self, variables):
