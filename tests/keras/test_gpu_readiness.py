@@ -74,13 +74,15 @@ def ops_without_gpu_kernels(graph: tf.Graph):
 
 
 def _slow_cases():
-  """The transformer's steps (10-30 s each) but DP-SGD's, and the wrappers'
-  but on the CNN, in `make test-all`."""
+  """The transformer's steps (10-30 s each) but DP-SGD's, the wrappers' but
+  on the CNN and `traced_steps.NORMS_ONLY`'s but on the MLP, in `make
+  test-all`."""
   for model_name in MODELS:
     for privatizer in traced_steps.PRIVATIZERS:
       wrapper = privatizer.startswith(('adaptive', 'per_layer'))
       slow = ((model_name == 'transformer' and privatizer != 'gaussian') or
-              (wrapper and model_name != 'cnn'))
+              (wrapper and model_name != 'cnn') or
+              (privatizer in traced_steps.NORMS_ONLY and model_name != 'mlp'))
       yield pytest.param(model_name, privatizer,
                          marks=[pytest.mark.slow] if slow else [])
 

@@ -72,14 +72,16 @@ def _formed_in_both(formed, model_name, privatizer, batch):
 
 def _cases():
   """Every noise step on the MLP, CNN and text model; below the chunk size
-  (128) and the wrappers' own statistics in `make test-all`."""
+  (128), the wrappers' own statistics and the steps that ask for DP-SGD's
+  statistics alone (`NORMS_ONLY`) but on the CNN in `make test-all`."""
   slow = pytest.mark.slow
   for privatizer in traced_steps.PRIVATIZERS:
     wrapper = privatizer.startswith(('adaptive', 'per_layer'))
     for model_name, batch in (('mlp', 256), ('cnn', 256), ('text', 256),
                               ('cnn', 64)):
       marks = [slow] if wrapper or (batch < 128 and privatizer not in (
-          'gaussian', 'dpdr')) else []
+          'gaussian', 'dpdr')) or (privatizer in traced_steps.NORMS_ONLY and
+                                   model_name != 'cnn') else []
       yield pytest.param(model_name, batch, privatizer, marks=marks)
 
 

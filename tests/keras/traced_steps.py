@@ -14,6 +14,10 @@ from tests.privatizers import cases
 PRIVATIZERS = ('gaussian', 'dpdr', 'sparsified(gaussian)', 'd2p2_srht_mode_o',
                'gep', 'geodp_sound', 'adaptive(gaussian)',
                'per_layer(gaussian)')
+# Steps that ask the engine for DP-SGD's statistics alone (norms and one
+# weighted sum): their model-dependent ops are DP-SGD's, checked on every
+# model, and their own the same on any.
+NORMS_ONLY = ('d2p2_srht_mode_o', 'geodp_sound')
 NUM_PUBLIC = 16
 
 
