@@ -19,6 +19,7 @@ from tensorflow.python.autograph.core import config as autograph_config  # pylin
 
 import tfdpx
 from benchmarks import models
+from benchmarks import speed
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('model', 'cnn', 'A model of benchmarks/models.py.')
@@ -34,12 +35,7 @@ def main(argv):
         rule for rule in autograph_config.CONVERSION_RULES
         if not rule.matches(tfdpx.autograph.MODULE))
   tf.keras.utils.set_random_seed(0)
-  model = tfdpx.keras.make_private(models.MODELS[FLAGS.model][0]())
-  model.compile(
-      tfdpx.keras.DPSGD(privatizer=tfdpx.privatizers.gaussian(1.0, 1.0),
-                        expected_batch_size=FLAGS.batch, learning_rate=0.1),
-      tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
-                                                    reduction='none'))
+  model = speed.build(FLAGS.model, FLAGS.batch, 'tfdpx gaussian')
   x, y = models.data(FLAGS.model, 2)
   model.train_on_batch(x, y)  # Builds the variables; `fit`'s own trace.
   spec = (tf.TensorSpec([None, *x.shape[1:]], tf.as_dtype(x.dtype)),

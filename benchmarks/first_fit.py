@@ -16,8 +16,8 @@ from absl import app
 from absl import flags
 import tensorflow as tf
 
-import tfdpx
 from benchmarks import models
+from benchmarks import speed
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('model', 'cnn', 'A model of benchmarks/models.py.')
@@ -29,14 +29,9 @@ flags.DEFINE_bool('variables_in_trace', False,
 def main(argv):
   del argv
   tf.keras.utils.set_random_seed(0)
-  model = tfdpx.keras.make_private(models.MODELS[FLAGS.model][0]())
-  optimizer = tfdpx.keras.DPSGD(
-      privatizer=tfdpx.privatizers.gaussian(1.0, 1.0),
-      expected_batch_size=FLAGS.batch, learning_rate=0.1)
+  model = speed.build(FLAGS.model, FLAGS.batch, 'tfdpx gaussian')
   if FLAGS.variables_in_trace:
-    optimizer.create_variables = lambda var_list: None
-  model.compile(optimizer, tf.keras.losses.SparseCategoricalCrossentropy(
-      from_logits=True, reduction='none'))
+    model.optimizer.create_variables = lambda var_list: None
   traces = []
   step = model.train_step
   model.train_step = lambda data: traces.append(1) or step(data)
