@@ -194,7 +194,10 @@ class _PrivateTraining(keras_version.ModelHooks):
   def make_train_function(self, force=False):
     # The optimizer's variables, created before Keras traces the step: one
     # created in the first trace makes tf.function trace it a second time.
-    if self.built and isinstance(self.optimizer, optimizers.DPOptimizerMixin):
+    # Only where Keras is about to trace (it returns its cached function
+    # otherwise, e.g. at every `train_on_batch`).
+    if ((force or self.train_function is None) and self.built and
+        isinstance(self.optimizer, optimizers.DPOptimizerMixin)):
       self.optimizer.create_variables(self.trainable_variables)
     return super().make_train_function(force)
 
