@@ -128,3 +128,40 @@ def test_padding_contributes_nothing_and_the_denominator_is_expected():
   np.testing.assert_allclose(model.get_weights()[0], expected, rtol=1e-5,
                              atol=1e-6)
   assert 0 < sampled.sum() < len(sampled)
+
+
+def _cyclic(steps, groups=4, n=100, q=0.5, first_step=0, seed=0):
+  x = np.arange(1, n + 1, dtype=np.float32)[:, None]
+  y = np.arange(1, n + 1, dtype=np.int32)
+  return sampling.cyclic_poisson_batches(
+      x, y, sampling_probability=q, groups=groups, steps=steps,
+      first_step=first_step, seed=seed)
+
+
+def test_cyclic_batches_sample_the_group_of_their_step():
+  """Step t samples group t mod 4 only, each member with probability q, and
+  the next iteration (epoch) continues the cycle: an example's steps are at
+  least 4 apart across epochs too (7 steps an iteration)."""
+  steps_of = {}
+  counts = np.zeros(100)
+  batches = [b for iteration in _iterations(_cyclic(7), count=40)
+             for b in iteration]
+  for step, batch in enumerate(batches):
+    members = _members(batch)
+    assert all(i % 4 == step % 4 for i in members), step
+    for i in members:
+      steps_of.setdefault(i, []).append(step)
+      counts[i] += 1
+  gaps = [b - a for s in steps_of.values() for a, b in zip(s, s[1:])]
+  assert min(gaps) == 4
+  # Each example is in 70 of its group's steps, each with probability 1/2.
+  assert np.all(np.abs(counts - 35) < stats.Z * np.sqrt(70 / 4))
+
+
+def test_cyclic_batches_resume_the_cycle_at_first_step():
+  resumed = _iterations(_cyclic(3, first_step=6), count=1)[0]
+  assert [{i % 4 for i in _members(b)} for b in resumed] == [{2}, {3}, {0}]
+  with pytest.raises(ValueError, match='first_step'):
+    _cyclic(3, first_step=-1)
+  with pytest.raises(ValueError, match='groups'):
+    _cyclic(3, groups=0)

@@ -23,6 +23,19 @@ Sampling is an explicit choice (`SAMPLING_ASSUMPTIONS`):
   one step of each epoch and no amplification, as tensorflow-privacy's
   `compute_dp_sgd_privacy_statement` states it ("Epsilon with each example
   occurring once per epoch").
+- 'cyclic_poisson': the data split into `groups` groups, group `t mod
+  groups` Poisson-sampled with `sampling_probability` at step t
+  (`tfdpx.sampling.cyclic_poisson_batches`); `epsilon_cyclic_poisson` is the
+  worst group's Poisson-sampled steps. It is the sampling that amplifies
+  noise correlated across steps (`tfdpx.privatizers.correlated`, with
+  `groups >= bands`).
+
+Noise correlated across steps (a privatizer's `correlation`) changes how
+the steps compose: under 'cyclic_poisson' each participation is its step's
+event (the strategy's columns do not overlap); under 'shuffle' the run is one
+Gaussian mechanism whose sensitivity is the strategy's worst once-per-epoch
+pattern; under 'poisson' it is refused (one example may be in consecutive
+steps, whose columns overlap).
 """
 
 import functools
@@ -37,7 +50,7 @@ import numpy as np
 
 from tfdpx import core
 
-SAMPLING_ASSUMPTIONS = ('poisson', 'shuffle')
+SAMPLING_ASSUMPTIONS = ('poisson', 'shuffle', 'cyclic_poisson')
 ACCOUNTANTS = ('rdp', 'pld')
 ACCOUNTANT_NAMES = {'rdp': 'RDP accountant', 'pld': 'PLD accountant'}
 
@@ -200,6 +213,26 @@ def _group_runs(events) -> dp_accounting.ComposedDpEvent:
       [dp_accounting.SelfComposedDpEvent(e, count) for e, count in runs])
 
 
+def _correlation_of(source):
+  """The noise correlation of a privatizer or optimizer, None if independent
+  or one band (independent too)."""
+  strategy = getattr(source, 'privatizer', source).correlation
+  return strategy if strategy is not None and strategy.bands > 1 else None
+
+
+def _refuse_correlation_under_poisson(source):
+  strategy = _correlation_of(source)
+  if strategy is not None:
+    raise ValueError(
+        f"sampling: the noise is correlated across steps ({strategy!r}); "
+        'under plain Poisson sampling one example can be in steps less than '
+        f'{strategy.bands} apart, whose noise is correlated, and no '
+        "Poisson-sampling epsilon bounds it. Train on cyclic Poisson batches "
+        f'(tfdpx.sampling.cyclic_poisson_batches, groups >= {strategy.bands}) '
+        "and account with sampling='cyclic_poisson', or account shuffled "
+        "batches with sampling='shuffle'.")
+
+
 def _has_public_denominator(source) -> bool:
   """False for an optimizer that divides by a batch size it saw."""
   return not hasattr(source, 'denominator') or source.denominator is not None
@@ -259,12 +292,14 @@ def training_event(
 
   Raises:
     ValueError: for a bad `steps`, `sampling_probability` or step event, or
-      for an optimizer with `num_microbatches` records or without a public
-      denominator (neither boundable under Poisson sampling).
+      for an optimizer with `num_microbatches` records, without a public
+      denominator, or with noise correlated across steps (none boundable
+      under Poisson sampling).
   """
   steps = _steps_of(source, steps)
   q = _checked_sampling_probability(sampling_probability)
   _refuse_microbatches_under_poisson(source)
+  _refuse_correlation_under_poisson(source)
   return _group_runs(
       _poisson_sampled(q, event) for event in _step_events(source, 0, steps))
 
@@ -295,14 +330,81 @@ def epsilon(
 
   Raises:
     ValueError: for a bad argument, naming it; for an optimizer with
-      `num_microbatches` records or without a public denominator (see
-      `training_event`).
+      `num_microbatches` records, without a public denominator or with noise
+      correlated across steps (see `training_event`).
   """
   _check_delta(delta)
   check_accountant(accountant)
   event = training_event(source, steps=steps,
                          sampling_probability=sampling_probability)
   return _event_epsilon(event, delta, accountant, orders)
+
+
+def epsilon_cyclic_poisson(
+    source,
+    *,
+    steps: Optional[int] = None,
+    sampling_probability: float,
+    groups: int,
+    delta: float,
+    accountant: str = 'rdp',
+) -> float:
+  """Epsilon of cyclic Poisson sampling: group `t mod groups` at step t.
+
+  Each example is in one group, so it can be only in that group's steps,
+  each with probability `sampling_probability`; the run costs the worst
+  group's Poisson-sampled step events. With noise correlated by a banded
+  strategy of `b <= groups` bands, the columns of one example's steps do
+  not overlap and each participation is its step's event: this is amplified
+  banded matrix factorization (Choquette-Choo et al. 2023, "(Amplified)
+  Banded Matrix Factorization", Theorem 4), DP-SGD's accounting over the
+  group's steps.
+
+  Args:
+    source: a privatizer or a tfdpx optimizer.
+    steps: number of steps; for an optimizer, `None` means the steps it has
+      privatized so far.
+    sampling_probability: q in (0, 1], the probability of each example of
+      the step's group (expected batch size * groups / n).
+    groups: the number of groups, at least the strategy's bands.
+    delta: target delta in (0, 1).
+    accountant: 'rdp' or 'pld' (`ACCOUNTANTS`).
+
+  Returns:
+    Epsilon, `inf` if any step is not private.
+
+  Raises:
+    ValueError: for a bad argument, naming it; `groups` fewer than the
+      bands of the noise correlation; an optimizer with `num_microbatches`
+      records or without a public denominator.
+  """
+  _check_delta(delta)
+  check_accountant(accountant)
+  steps = _steps_of(source, steps)
+  q = _checked_sampling_probability(sampling_probability)
+  groups = _checked_groups(groups)
+  _refuse_microbatches_under_poisson(source)
+  strategy = _correlation_of(source)
+  if strategy is not None and groups < strategy.bands:
+    raise ValueError(
+        f'groups={groups}: the noise is correlated over {strategy.bands} '
+        f'steps ({strategy!r}), so an example\'s steps must be at least '
+        f'{strategy.bands} apart: pass groups >= {strategy.bands}')
+  events = _step_events(source, 0, steps)
+  runs = []
+  for group in range(min(groups, steps)):
+    run = _group_runs(_poisson_sampled(q, e) for e in events[group::groups])
+    if run not in runs:
+      runs.append(run)
+  if not runs:
+    return 0.0
+  return max(_event_epsilon(run, delta, accountant, None) for run in runs)
+
+
+def _checked_groups(groups) -> int:
+  if isinstance(groups, bool) or int(groups) != groups or groups < 1:
+    raise ValueError(f'groups must be an integer >= 1, got {groups!r}')
+  return int(groups)
 
 
 def _check_delta(delta):
@@ -430,7 +532,10 @@ def epsilon_once_per_epoch(
   releases (as every tfdpx noise step, also with a D2P2 schedule); otherwise
   (a third-party step event of another kind) the composition of every step of
   the epoch, which is sound but looser. A step that is not private makes
-  epsilon infinite.
+  epsilon infinite. With noise correlated across steps the whole run is one
+  Gaussian mechanism: the smallest step multiplier over the strategy's
+  `once_per_epoch_sensitivity` (two participations at an epoch's boundary
+  fall within one band).
 
   Args:
     source: a privatizer or a tfdpx optimizer (an optimizer with
@@ -454,40 +559,80 @@ def epsilon_once_per_epoch(
   check_accountant(accountant)
   steps = _steps_of(source, steps)
   steps_per_epoch = _checked_steps_per_epoch(steps_per_epoch)
+  strategy = _correlation_of(source)
+  if strategy is not None:
+    event = _correlated_once_per_epoch(
+        _step_events(source, 0, steps),
+        strategy.once_per_epoch_sensitivity(steps, steps_per_epoch))
+    return _event_epsilon(_group_runs([event]), delta, accountant, orders)
   epochs = (_worst_step(_step_events(source, start,
                                      min(start + steps_per_epoch, steps)))
             for start in range(0, steps, steps_per_epoch))
   return _event_epsilon(_group_runs(epochs), delta, accountant, orders)
 
 
+def _correlated_once_per_epoch(events, sensitivity: float
+                               ) -> dp_accounting.DpEvent:
+  """The run of correlated noise with one participation per epoch.
+
+  All releases together are `C X + Z` (in units of each step's noise), one
+  Gaussian mechanism whose sensitivity over every participation is
+  `sensitivity` at the least noise of any step: its multiplier is the
+  smallest effective multiplier of a step over `sensitivity`.
+  """
+  if not events:
+    return dp_accounting.NoOpDpEvent()
+  inverse_squares = [_inverse_square_noise(e) for e in events]
+  if None in inverse_squares:
+    raise ValueError(
+        'correlated noise is accounted only for steps of Gaussian releases')
+  worst = _gaussian_event(max(inverse_squares))
+  if not isinstance(worst, dp_accounting.GaussianDpEvent):
+    return worst
+  return dp_accounting.GaussianDpEvent(
+      worst.noise_multiplier / sensitivity)
+
+
 def check_accounting_arguments(sampling: str, *, delta: float,
                                sampling_probability: Optional[float] = None,
-                               steps_per_epoch: Optional[int] = None) -> None:
+                               steps_per_epoch: Optional[int] = None,
+                               groups: Optional[int] = None) -> None:
   """Validates the description of how the batches were sampled, and delta.
 
   Args:
-    sampling: 'poisson' (with `sampling_probability`) or 'shuffle' (with
-      `steps_per_epoch`).
+    sampling: 'poisson' (with `sampling_probability`), 'shuffle' (with
+      `steps_per_epoch`) or 'cyclic_poisson' (with `sampling_probability`
+      and `groups`).
     delta: target delta in (0, 1).
     sampling_probability: Poisson sampling probability q in (0, 1]; only with
-      `sampling='poisson'`.
+      `sampling='poisson'` or 'cyclic_poisson' (there, within the group).
     steps_per_epoch: steps of one shuffled pass, an integer >= 1; only with
       `sampling='shuffle'`.
+    groups: the number of groups of cyclic Poisson sampling, an integer >=
+      1; only with `sampling='cyclic_poisson'`.
 
   Raises:
     ValueError: naming the argument that is unknown, missing, extra or bad.
   """
   _check_delta(delta)
-  if sampling == 'poisson':
+  if groups is not None and sampling != 'cyclic_poisson':
+    raise ValueError(
+        f"groups is for sampling='cyclic_poisson', not {sampling!r}")
+  if sampling in ('poisson', 'cyclic_poisson'):
     if steps_per_epoch is not None:
       raise ValueError(
-          "steps_per_epoch is for sampling='shuffle'; sampling='poisson' "
-          'takes sampling_probability only')
+          f"steps_per_epoch is for sampling='shuffle'; sampling={sampling!r} "
+          'takes sampling_probability')
     if sampling_probability is None:
       raise ValueError(
-          "sampling='poisson' needs sampling_probability (expected batch "
-          'size / number of examples)')
+          f"sampling={sampling!r} needs sampling_probability (expected batch "
+          'size / number of examples, of the group\'s examples for '
+          "'cyclic_poisson')")
     _checked_sampling_probability(sampling_probability)
+    if sampling == 'cyclic_poisson':
+      if groups is None:
+        raise ValueError("sampling='cyclic_poisson' needs groups")
+      _checked_groups(groups)
   elif sampling == 'shuffle':
     if sampling_probability is not None:
       raise ValueError(
@@ -512,15 +657,17 @@ def epsilon_for_sampling(
     sampling_probability: Optional[float] = None,
     steps_per_epoch: Optional[int] = None,
     accountant: str = 'rdp',
+    groups: Optional[int] = None,
 ) -> float:
   """The epsilon that holds for how the batches were sampled.
 
   `sampling='poisson'`: `epsilon` (amplification by Poisson subsampling).
   `sampling='shuffle'`: `epsilon_once_per_epoch` (no amplification).
+  `sampling='cyclic_poisson'`: `epsilon_cyclic_poisson`.
 
   Args:
     source: a privatizer or a tfdpx optimizer.
-    sampling, delta, sampling_probability, steps_per_epoch: as in
+    sampling, delta, sampling_probability, steps_per_epoch, groups: as in
       `check_accounting_arguments`.
     steps: number of steps; for an optimizer, `None` means the steps it has
       privatized so far.
@@ -530,12 +677,16 @@ def epsilon_for_sampling(
     Epsilon, `inf` if any step is not private.
 
   Raises:
-    ValueError: as `check_accounting_arguments`, `epsilon` and
-      `epsilon_once_per_epoch`.
+    ValueError: as `check_accounting_arguments`, `epsilon`,
+      `epsilon_once_per_epoch` and `epsilon_cyclic_poisson`.
   """
   check_accounting_arguments(
       sampling, delta=delta, sampling_probability=sampling_probability,
-      steps_per_epoch=steps_per_epoch)
+      steps_per_epoch=steps_per_epoch, groups=groups)
+  if sampling == 'cyclic_poisson':
+    return epsilon_cyclic_poisson(
+        source, steps=steps, sampling_probability=sampling_probability,
+        groups=groups, delta=delta, accountant=accountant)
   if sampling == 'poisson':
     return epsilon(source, steps=steps,
                    sampling_probability=sampling_probability, delta=delta,
@@ -555,6 +706,7 @@ def calibrate_noise_multiplier(
     steps_per_epoch: Optional[int] = None,
     rtol: float = 1e-3,
     accountant: str = 'rdp',
+    groups: Optional[int] = None,
 ) -> float:
   """The smallest effective `noise_multiplier` whose epsilon is <= target.
 
@@ -569,6 +721,8 @@ def calibrate_noise_multiplier(
     sampling_probability: for Poisson sampling (`epsilon`).
     steps_per_epoch: instead, for shuffled fixed-size batches
       (`epsilon_once_per_epoch`).
+    groups: with `sampling_probability`, cyclic Poisson sampling over this
+      many groups (`epsilon_cyclic_poisson`).
     rtol: relative tolerance of the epsilon reached.
     accountant: 'rdp' or 'pld' (`ACCOUNTANTS`); PLD's tighter epsilon gives
       a smaller multiplier for the same target.
@@ -587,12 +741,14 @@ def calibrate_noise_multiplier(
     raise ValueError('pass sampling_probability (Poisson sampling) or '
                      'steps_per_epoch (shuffled batches), not both or neither')
   sampling = 'poisson' if steps_per_epoch is None else 'shuffle'
+  if groups is not None:
+    sampling = 'cyclic_poisson'
 
   def eps(z):
     return epsilon_for_sampling(
         privatizer.with_noise_multiplier(z), sampling=sampling, steps=steps,
         delta=delta, sampling_probability=sampling_probability,
-        steps_per_epoch=steps_per_epoch, accountant=accountant)
+        steps_per_epoch=steps_per_epoch, accountant=accountant, groups=groups)
 
   lo, hi = 0.0, 1.0
   while eps(hi) > target_epsilon:
@@ -625,6 +781,7 @@ def privacy_statement(
     delta: float,
     accountant: str = 'rdp',
     num_users: Optional[int] = None,
+    groups: Optional[int] = None,
 ) -> str:
   """A human-readable privacy statement naming its assumptions.
 
@@ -637,12 +794,15 @@ def privacy_statement(
   Args:
     source: a privatizer or a tfdpx optimizer.
     sampling: how the batches were drawn: 'poisson' (each example joins each
-      batch independently with probability q, `tfdpx.sampling.poisson_batches`)
-      or 'shuffle' (fixed-size batches from a shuffled pass, Keras' default).
+      batch independently with probability q, `tfdpx.sampling.poisson_batches`),
+      'shuffle' (fixed-size batches from a shuffled pass, Keras' default) or
+      'cyclic_poisson' (`groups` groups, one Poisson-sampled per step,
+      `tfdpx.sampling.cyclic_poisson_batches`).
     steps: number of training steps (optimizer: default its own count).
     num_examples: size n of the training set.
     expected_batch_size: expected batch size (the batch size for 'shuffle');
-      q = expected_batch_size / n.
+      q = expected_batch_size / n (`* groups` for 'cyclic_poisson', the
+      probability within the step's group).
     delta: target delta.
     accountant: 'rdp' or 'pld' (`ACCOUNTANTS`); the statement names it.
     num_users: for an optimizer whose records were users
@@ -650,6 +810,7 @@ def privacy_statement(
       the number of users, required: the statement is then user-level and
       `expected_batch_size` is the expected number of users per batch, q =
       expected_batch_size / num_users.
+    groups: with `sampling='cyclic_poisson'` only, the number of groups.
 
   Returns:
     The statement, several lines of text.
@@ -672,7 +833,12 @@ def privacy_statement(
   records = num_users if user_level else num_examples
   q = expected_batch_size / records
   steps = _steps_of(source, steps)
-  if sampling == 'shuffle':
+  if sampling == 'cyclic_poisson':
+    if groups is None:
+      raise ValueError("sampling='cyclic_poisson' needs groups")
+    q = min(1.0, expected_batch_size * _checked_groups(groups) / records)
+    sampling_arguments = {'sampling_probability': q, 'groups': groups}
+  elif sampling == 'shuffle':
     if expected_batch_size > records:
       raise ValueError(
           f'expected_batch_size={expected_batch_size} is larger than '
@@ -703,6 +869,11 @@ def privacy_statement(
                  'intermediate model is covered, not only the final one.')
   lines = ['tfdpx privacy statement', f'  noise step: {privatizer!r}', size,
            adjacency]
+  strategy = _correlation_of(source)
+  if strategy is not None:
+    lines.append(
+        f'  noise: correlated across steps ({strategy!r}: each step\'s noise '
+        f'combines its draw with the last {strategy.bands - 1} noises).')
   microbatches = getattr(source, 'records_are_microbatches', False)
   if microbatches:
     lines.append(
@@ -719,6 +890,12 @@ def privacy_statement(
         'accountant assumes.',
         f'  epsilon ({name}, Poisson sampling): {eps:.4g}{known_seed}',
     ]
+  elif sampling == 'cyclic_poisson':
+    lines += [
+        f'  sampling: cyclic Poisson: {groups} groups, group t mod {groups} '
+        f'Poisson-sampled at step t with probability {q:.6g}.',
+        f'  epsilon ({name}, cyclic Poisson sampling): {eps:.4g}{known_seed}',
+    ]
   else:
     steps_per_epoch = sampling_arguments['steps_per_epoch']
     epochs = math.ceil(steps / steps_per_epoch)
@@ -734,6 +911,9 @@ def privacy_statement(
     elif not public_denominator:
       lines.append('  (no Poisson-sampling figure: the size of a Poisson '
                    'batch is not public)')
+    elif strategy is not None:
+      lines.append('  (no Poisson-sampling figure: correlated noise is not '
+                   'bounded under plain Poisson sampling)')
     else:
       poisson = epsilon(source, steps=steps, sampling_probability=q,
                         delta=delta, accountant=accountant)

@@ -167,6 +167,26 @@ class Privatizer(abc.ABC):
     """Effective noise multiplier of a whole step (one meaning everywhere)."""
     return self.config['noise_multiplier']
 
+  def gaussian_release_shapes(
+      self, params: Sequence[tf.Variable]) -> Optional[List[List[tf.TensorShape]]]:
+    """The shapes of the step's Gaussian releases (`noise.add_gaussian`).
+
+    One list of shapes per release, in the order a step draws them, for the
+    trainable variables `params`; a step must draw exactly these at every
+    step. Correlated noise across steps (`tfdpx.privatizers.correlated`)
+    keeps the last noises of each. None (the default) where the noise is not
+    such a fixed set of releases (a projection per step, noise on angles,
+    rows selected per step): correlated noise refuses it.
+    """
+    del params
+    return None
+
+  @property
+  def correlation(self):
+    """The noise correlation across steps (`tfdpx.correlation`), or None for
+    independent noise at every step (default)."""
+    return None
+
   @property
   def reference_l2_norm_clip(self) -> Optional[float]:
     """The norm adaptive clipping compares each example's gradient norm
@@ -242,6 +262,15 @@ class Wrapper(Privatizer):
   @property
   def noise_multiplier(self) -> float:
     return self._inner.noise_multiplier
+
+  def gaussian_release_shapes(self, params):
+    """`inner`'s: a wrapper changes what is clipped and how the release is
+    post-processed, not the shapes of the Gaussian releases."""
+    return self._inner.gaussian_release_shapes(params)
+
+  @property
+  def correlation(self):
+    return self._inner.correlation
 
   def with_noise_multiplier(self, noise_multiplier: float) -> 'Wrapper':
     """The same wrapper around `inner.with_noise_multiplier(...)`."""

@@ -10,11 +10,18 @@ Under a `tf.distribute` strategy every replica sums its own examples
 `Privatizer.update`), and every replica then draws the same noise from
 the same seed: the noise of a step is added once to the global sum, never once
 per replica.
+
+Correlated noise across steps (`tfdpx.privatizers.correlated`) is drawn here
+too: while a step releases under `correlated_releases`, each `add_gaussian`
+of the step adds its strategy's correlated noise (`tfdpx.correlation`) in
+place of independent noise.
 """
 
+import contextlib
 import math
+import threading
 import zlib
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -259,9 +266,74 @@ def batch_sum(records, weights: Optional[tf.Tensor] = None) -> List[tf.Tensor]:
   return records.weighted_sum(weights)
 
 
+class CorrelatedReleases:
+  """The Gaussian releases of one step, drawn as correlated noise.
+
+  The `i`-th `add_gaussian` of the step draws N(0, 1) noise shaped like its
+  sums, turns it into this step's correlated noise with the history of
+  release `i` (`correlate(draws, history) -> (noise, new_history)`) and
+  scales it by its own std.
+  """
+
+  def __init__(self, correlate: Callable, histories: Sequence[List[tf.Tensor]]):
+    self._correlate = correlate
+    self._histories = list(histories)
+    self.new_histories: List[List[tf.Tensor]] = []
+
+  def draw(self, sums: Sequence[tf.Tensor], stddev,
+           seed: tf.Tensor) -> List[tf.Tensor]:
+    """The correlated noise of the step's next release, std `stddev`."""
+    i = len(self.new_histories)
+    if i >= len(self._histories):
+      raise ValueError(
+          f'this step made more Gaussian releases than the {i} its privatizer '
+          'declared (gaussian_release_shapes)')
+    history = self._histories[i]
+    shapes = [tuple(s.shape) for s in sums]
+    declared = [tuple(h.shape[1:]) for h in history]
+    if shapes != declared:
+      raise ValueError(
+          f'Gaussian release {i} has shapes {shapes}, but its privatizer '
+          f'declared {declared} (gaussian_release_shapes)')
+    draws = gaussian_like(sums, 1.0, seed)
+    noise, new_history = self._correlate(draws, history)
+    self.new_histories.append(new_history)
+    return [n * tf.cast(stddev, n.dtype) for n in noise]
+
+  def check_complete(self) -> None:
+    """Raises a ValueError unless every declared release was drawn."""
+    if len(self.new_histories) != len(self._histories):
+      raise ValueError(
+          f'this step made {len(self.new_histories)} Gaussian releases, but '
+          f'its privatizer declared {len(self._histories)} '
+          '(gaussian_release_shapes)')
+
+
+# The releases being drawn as correlated noise, per thread (MirroredStrategy
+# traces each replica's step in its own thread).
+_ACTIVE = threading.local()
+
+
+@contextlib.contextmanager
+def correlated_releases(releases: CorrelatedReleases):
+  """Within this context `add_gaussian` draws through `releases`."""
+  previous = getattr(_ACTIVE, 'releases', None)
+  if previous is not None:
+    raise ValueError('correlated noise cannot be nested')
+  _ACTIVE.releases = releases
+  try:
+    yield releases
+  finally:
+    _ACTIVE.releases = None
+
+
 def add_gaussian(sums: Sequence[tf.Tensor], l2_norm_clip, noise_multiplier,
                  seed: tf.Tensor) -> List[tf.Tensor]:
   """Adds N(0, (l2_norm_clip * noise_multiplier)^2) noise to each coordinate.
+
+  Under `correlated_releases` the noise is instead the strategy's
+  combination of this step's and earlier steps' draws of that std (row t of
+  `C^-1 z`, `tfdpx.correlation`).
 
   Args:
     sums: sums over the global batch of records clipped so that, over all
@@ -277,7 +349,12 @@ def add_gaussian(sums: Sequence[tf.Tensor], l2_norm_clip, noise_multiplier,
   # multiply_no_nan: zero noise stays zero for an infinite clip norm.
   stddev = tf.math.multiply_no_nan(_float64(l2_norm_clip),
                                    _float64(noise_multiplier))
-  return [s + n for s, n in zip(sums, gaussian_like(sums, stddev, seed))]
+  releases = getattr(_ACTIVE, 'releases', None)
+  if releases is not None:
+    noise = releases.draw(sums, stddev, seed)
+  else:
+    noise = gaussian_like(sums, stddev, seed)
+  return [s + n for s, n in zip(sums, noise)]
 
 
 def bernoulli_positions(size: int, rate: float, seed: tf.Tensor,

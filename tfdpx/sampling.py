@@ -85,6 +85,81 @@ def poisson_batches(x, y, *, sampling_probability: float, steps: int,
     probability at most 1e-12 per step, and the statement's delta should be
     read as `delta + steps * 1e-12`.
   """
+  x, y, n = _arrays(x, y)
+  root = _root(sampling_probability, seed)
+  size = batch_size or max_batch_size(n, sampling_probability)
+
+  def choose(rng, step):
+    del step  # Every step samples from all examples.
+    return np.flatnonzero(rng.random(n) < sampling_probability)
+  return _padded_batches(x, y, choose, root, size, steps)
+
+
+def cyclic_poisson_batches(x, y, *, sampling_probability: float, groups: int,
+                           steps: int, first_step: int = 0,
+                           seed: Optional[int] = None,
+                           batch_size: Optional[int] = None
+                           ) -> tf.data.Dataset:
+  """`steps` cyclic Poisson batches `(x, y, sample_weight)` of one shape.
+
+  Example `i` belongs to group `i mod groups`. The batch of training step t
+  samples each example of group `t mod groups` independently with
+  probability q, so an example's steps are at least `groups` apart: the
+  participation that amplifies noise correlated over at most `groups` steps
+  (`tfdpx.privatizers.correlated`; account with
+  `sampling='cyclic_poisson'`). Each iteration of the dataset continues the
+  cycle where the previous one stopped (Keras `fit` iterates it once per
+  epoch); batches are padded as in `poisson_batches`.
+
+  Args:
+    x, y: as `poisson_batches`.
+    sampling_probability: q in (0, 1], each example's probability to be in
+      a batch of its group's steps; the expected batch size is about `q * n /
+      groups`.
+    groups: the number of groups, >= the bands of the noise correlation.
+    steps: number of batches per iteration.
+    first_step: the training step of the first batch: pass the optimizer's
+      `dp_steps` when resuming, so that the cycle continues where training
+      stopped (restarted at 0, an example could be in two steps less than
+      `groups` apart).
+    seed: as `poisson_batches`: None (the private choice) draws a secret.
+    batch_size: padded batch size; default `max_batch_size` of the largest
+      group.
+
+  Returns:
+    A dataset of `steps` tuples, as `poisson_batches`.
+
+  Raises:
+    ValueError: naming a bad argument.
+
+  Privacy:
+    The groups are fixed by the examples' positions, not by their values;
+    an added or removed example is in one group. As in `poisson_batches`, an
+    overflowing batch would drop examples, with probability at most 1e-12
+    per step at the default size.
+  """
+  x, y, n = _arrays(x, y)
+  root = _root(sampling_probability, seed)
+  groups = core.check_positive_int('groups', groups)
+  if isinstance(first_step, bool) or int(first_step) != first_step or (
+      first_step < 0):
+    raise ValueError(
+        f'first_step must be a non-negative integer, got {first_step!r}')
+  members = [np.arange(g, n, groups) for g in range(groups)]
+  size = batch_size or max_batch_size(len(members[0]), sampling_probability)
+
+  def choose(rng, step):
+    group = members[(int(first_step) + step) % groups]
+    return group[rng.random(len(group)) < sampling_probability]
+  return _padded_batches(x, y, choose, root, size, steps)
+
+
+def _arrays(x, y):
+  """`x` (an array, tuple or dict of arrays) and `y` as numpy, and n.
+
+  Raises:
+    ValueError: if their numbers of examples differ.
+  """
   if not isinstance(x, (tuple, dict)):
     x = np.asarray(x)
   x = tf.nest.map_structure(np.asarray, x)
@@ -92,8 +167,14 @@ def poisson_batches(x, y, *, sampling_probability: float, steps: int,
   n = len(y)
   if any(len(a) != n for a in tf.nest.flatten(x)):
     raise ValueError(f'x and y must have the same number of examples ({n})')
-  root = _root(sampling_probability, seed)
-  size = batch_size or max_batch_size(n, sampling_probability)
+  return x, y, n
+
+
+def _padded_batches(x, y, choose, root: int, size: int,
+                    steps: int) -> tf.data.Dataset:
+  """`steps` batches of `size` rows, `choose(rng, step)` -> the indices of
+  the examples of the `step`-th batch (counted over all iterations), zero
+  rows with sample weight 0 after them."""
   iterations = itertools.count()
 
   def padded(a, chosen):
@@ -103,10 +184,11 @@ def poisson_batches(x, y, *, sampling_probability: float, steps: int,
 
   def generate():
     # A new generator per iteration of the dataset, keyed by its index.
+    iteration = next(iterations)
     rng = np.random.default_rng(
-        np.random.SeedSequence(root, spawn_key=(next(iterations),)))
-    for _ in range(steps):
-      chosen = np.flatnonzero(rng.random(n) < sampling_probability)[:size]
+        np.random.SeedSequence(root, spawn_key=(iteration,)))
+    for step in range(steps):
+      chosen = choose(rng, iteration * steps + step)[:size]
       weight = np.zeros(size, np.float32)
       weight[:len(chosen)] = 1
       yield (tf.nest.map_structure(lambda a: padded(a, chosen), x),  # pylint: disable=cell-var-from-loop

@@ -59,6 +59,11 @@ CASES = [
 ]
 
 
+def case_named(name: str) -> Case:
+  """The case of `CASES` called `name` (of those defined so far)."""
+  return next(c for c in CASES if c.name == name)
+
+
 def dpdr_std(privatizer, step, l2_norm_clip):
   """DPDR's DP-SGD steps are isotropic; its decomposition steps are not."""
   if privatizer.decomposes(step):
@@ -159,6 +164,33 @@ def sparsified_case(case: Case, final_sparsity: float = 0.5) -> Case:
               needs_public=case.needs_public)
 
 
+def correlated_case(case: Case, bands: int = 3, wrapped: bool = True) -> Case:
+  """`case` with its noise correlated over `bands` steps: per step the same
+  sensitivity and noiseless result; the noise of step t has the inner std
+  times the norm of row t of `C^-1` (tests/privatizers/test_correlated.py
+  checks the covariance across steps)."""
+  strategy = tfdpx.correlation.banded_toeplitz(bands, 20)
+
+  def make(noise_multiplier, l2_norm_clip):
+    return privatizers.correlated(case.make(noise_multiplier, l2_norm_clip),
+                                  strategy)
+
+  def noise_std(privatizer, step, l2_norm_clip):
+    std = case.noise_std(privatizer.inner, step, l2_norm_clip)
+    if std is None:
+      return None
+    row = strategy.inverse_coefficients(step + 1)
+    return std * float(np.linalg.norm(row))
+
+  return Case(f'correlated({case.name})', make, steps=case.steps,
+              noiseless_expected=case.noiseless_expected,
+              sensitivity=case.sensitivity, noise_std=noise_std,
+              needs_public=case.needs_public, wrapped=wrapped)
+
+
+CASES += [correlated_case(CASES[0]),
+          correlated_case(case_named('dpdr'), wrapped=False)]
+
 from tests.privatizers.d2p2_cases import D2P2_CASES  # pylint: disable=g-import-not-at-top
 CASES += D2P2_CASES
 
@@ -200,6 +232,8 @@ def adaptive_case(case: Case) -> Case:
 _ADAPTIVE = [adaptive_case(c) for c in CASES
              if c.name in ('gaussian', 'dpdr', 'gep', 'geodp_sound')]
 CASES += _ADAPTIVE + [sparsified_case(_ADAPTIVE[0])]
+# The count's noise stays independent; the gradient's is correlated.
+CASES.append(correlated_case(_ADAPTIVE[0], wrapped=False))
 
 
 def per_layer_case(case: Case) -> Case:
@@ -214,7 +248,3 @@ _PER_LAYER = [per_layer_case(c) for c in CASES
 # Adaptive clipping scales every group's norm: it wraps per-layer clipping.
 CASES += _PER_LAYER + [adaptive_case(_PER_LAYER[0])]
 
-
-def case_named(name: str) -> Case:
-  """The case of `CASES` called `name`."""
-  return next(c for c in CASES if c.name == name)

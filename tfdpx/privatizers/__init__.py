@@ -2,6 +2,8 @@
 
 from tfdpx.privatizers.adaptive import AdaptiveClipping
 from tfdpx.privatizers.adaptive import adaptive_clipping
+from tfdpx.privatizers.correlated import Correlated
+from tfdpx.privatizers.correlated import correlated
 from tfdpx.privatizers.d2p2 import D2P2
 from tfdpx.privatizers.d2p2 import d2p2
 from tfdpx.privatizers.dpdr import DPDR

@@ -296,6 +296,12 @@ class DPDR(core.Privatizer):
         'blocks': tf.constant(_block_ids(params, self._granularity), tf.int32),
     }
 
+  def gaussian_release_shapes(self, params):
+    """The sum of the orthogonal parts (of the gradients at DP-SGD steps),
+    then the alpha sums, one per block, released at every step."""
+    return [[tf.TensorShape(p.shape) for p in params], [tf.TensorShape(
+        [len(params)])]]
+
   @property
   def reference_l2_norm_clip(self):
     # Its other norms (perp, alpha) scale with it under adaptive clipping.

@@ -1,6 +1,7 @@
 """The DP-SGD baseline: clip each example, sum, add Gaussian noise."""
 
 import dp_accounting
+import tensorflow as tf
 
 from tfdpx import clipping
 from tfdpx import core
@@ -44,6 +45,9 @@ class Gaussian(core.Privatizer):
   @property
   def reference_l2_norm_clip(self):
     return self._l2_norm_clip
+
+  def gaussian_release_shapes(self, params):
+    return [[tf.TensorShape(p.shape) for p in params]]
 
   def clipped_sums(self, per_example_grads, state, plan):
     del state, plan  # DP-SGD has no state and fixes nothing in advance.

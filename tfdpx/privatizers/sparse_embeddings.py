@@ -273,6 +273,11 @@ class SparseEmbeddings(core.Wrapper):
             'selection_share': self._share,
             'false_positive_rate': self._rate}
 
+  def gaussian_release_shapes(self, params):
+    """None: the rows released, and so the noise's shape, vary by step."""
+    del params
+    return None
+
   @property
   def selection_noise_multiplier(self) -> float:
     """`z_s`: the counts' noise std (the contribution bound is 1)."""

@@ -1,0 +1,284 @@
+"""Correlated noise across steps: banded Toeplitz strategies (matrix mechanism).
+
+DP-SGD adds fresh noise `z_t` at every step, so the model, a prefix sum of
+the noisy updates, carries the sum of every step's noise. The matrix
+mechanism (DP-FTRL; Denisov et al. 2022, Choquette-Choo et al. 2023) releases
+`C x + z` instead, for a lower-triangular strategy matrix `C` and the clipped
+sums `x` of every step, and trains on its post-processing `C^-1 (C x + z) = x
++ C^-1 z`: the noise of step t is row t of `C^-1 z`, a combination of this
+step's draw and the earlier steps' noise that partly cancels in the prefix
+sums.
+
+Here `C` is banded Toeplitz: `C[t, t - j] = c_j` for `0 <= j < bands`, with
+`|c| = 1`, so that every column has norm at most 1 and one participation
+moves `C x` by at most the clip norm. The noise of step t is found online
+from the previous `bands - 1` noise vectors:
+`w_t = (z_t - sum_{j >= 1} c_j w_{t-j}) / c_0`, in units of the step's noise
+std (each step scales its own `w_t`, so a step's Gaussian release is exactly
+the one its `dp_event` states, whatever the other steps' noise).
+
+What one example costs depends on when it participates (`tfdpx.accounting`):
+- in steps at least `bands` apart (`tfdpx.sampling.cyclic_poisson_batches`,
+  `groups >= bands`), the columns of its steps do not overlap, and with
+  Poisson sampling inside each group the whole run costs what DP-SGD with
+  the group's sampling probability costs over the group's steps
+  (Choquette-Choo et al. 2023, amplified banded MF);
+- once per epoch at any position (shuffled batches), two participations at
+  an epoch's boundary overlap; `once_per_epoch_sensitivity` bounds the worst
+  pattern, and the run is one Gaussian mechanism of that sensitivity.
+
+References:
+  Choquette-Choo, McMahan, Rush, Thakurta, "Multi-Epoch Matrix Factorization
+  Mechanisms for Private Machine Learning", ICML 2023.
+  Choquette-Choo, Ganesh, McKenna, McMahan, Rush, Thakurta, Xu, "(Amplified)
+  Banded Matrix Factorization: A unified approach to private training",
+  NeurIPS 2023 (arXiv 2306.08153).
+"""
+
+import functools
+import math
+from typing import Any, Dict, List, Sequence, Tuple
+
+import numpy as np
+from scipy import optimize
+from scipy import signal
+from scipy import special
+import tensorflow as tf
+
+
+class BandedToeplitz:
+  """A banded lower-triangular Toeplitz strategy with unit column norm.
+
+  A small serializable value: `coefficients` (`c_0 > 0`, `c_j` for the
+  `j`-th subdiagonal) define `C`; they are scaled to unit L2 norm, the
+  sensitivity of one participation.
+  """
+
+  name = 'banded_toeplitz'
+
+  def __init__(self, coefficients: Sequence[float]):
+    """Args:
+      coefficients: `c_0, ..., c_{bands-1}`, finite, `c_0 > 0`; scaled here
+        to unit norm.
+
+    Raises:
+      ValueError: naming `coefficients`, if empty, not finite, or `c_0 <= 0`.
+    """
+    try:
+      c = np.asarray(coefficients, np.float64)
+    except (TypeError, ValueError):
+      raise ValueError(
+          f'coefficients must be numbers, got {coefficients!r}') from None
+    if c.ndim != 1 or not c.size or not np.all(np.isfinite(c)) or c[0] <= 0:
+      raise ValueError('coefficients must be a non-empty list of finite '
+                       f'numbers with coefficients[0] > 0, got {coefficients!r}')
+    self._coefficients = tuple(float(v) for v in c / np.linalg.norm(c))
+
+  @property
+  def coefficients(self) -> Tuple[float, ...]:
+    return self._coefficients
+
+  @property
+  def bands(self) -> int:
+    """The number of bands `b`: each step's noise reads `b - 1` earlier ones."""
+    return len(self._coefficients)
+
+  @property
+  def config(self) -> Dict[str, Any]:
+    return {'coefficients': list(self._coefficients)}
+
+  def __eq__(self, other):
+    return type(self) is type(other) and self.config == other.config
+
+  def __hash__(self):
+    return hash(self._coefficients)
+
+  def __repr__(self):
+    return f'banded_toeplitz(bands={self.bands})'
+
+  def inverse_coefficients(self, steps: int) -> np.ndarray:
+    """The first `steps` coefficients of `C^-1` (lower-triangular Toeplitz):
+    the noise of step t is `sum_k r_k z_{t-k}`."""
+    impulse = np.zeros(steps)
+    impulse[:1] = 1.0
+    return signal.lfilter([1.0], self._coefficients, impulse)
+
+  def noise_covariance(self, steps: int) -> np.ndarray:
+    """`C^-1 C^-T` over `steps` steps: the covariance across steps of one
+    coordinate's noise, in units of the noise std squared."""
+    r = self.inverse_coefficients(steps)
+    inverse = np.zeros((steps, steps))
+    for k in range(steps):
+      inverse += np.diag(np.full(steps - k, r[k]), -k)
+    return inverse @ inverse.T
+
+  def prefix_sum_error(self, steps: int) -> float:
+    """Root mean squared noise of the prefix sums (the model's trajectory
+    under SGD) over `steps` steps, per coordinate, in units of the noise
+    std: `sqrt((steps + 1) / 2)` for DP-SGD (one band)."""
+    return math.sqrt(_prefix_sum_loss(np.asarray(self._coefficients), steps)[0])
+
+  def correlate(self, draws: List[tf.Tensor], history: List[tf.Tensor]
+                ) -> Tuple[List[tf.Tensor], List[tf.Tensor]]:
+    """This step's noise from its independent draws and the last noises.
+
+    Args:
+      draws: independent N(0, 1) draws `z_t`, one tensor per released part.
+      history: per part, `[bands - 1, *shape]`: `w_{t-1}, ..., w_{t-b+1}`
+        (zeros before the first step).
+
+    Returns:
+      `(noise, new_history)`: `w_t = (z_t - sum_j c_j w_{t-j}) / c_0` per
+      part, N(0, 1) marginally only at the first step, and the history with
+      `w_t` in front.
+    """
+    c = self._coefficients
+    noise, new_history = [], []
+    for z, past in zip(draws, history):
+      w = z
+      if c[1:]:
+        earlier = tf.tensordot(tf.constant(c[1:], z.dtype), past, axes=1)
+        w = z - earlier
+      w = w / tf.constant(c[0], z.dtype)
+      noise.append(w)
+      new_history.append(tf.concat([w[tf.newaxis], past[:-1]], axis=0))
+    return noise, new_history
+
+  def once_per_epoch_sensitivity(self, steps: int,
+                                 steps_per_epoch: int) -> float:
+    """The largest L2 change of `C x` from one example in one step of each
+    epoch (at positions an adversary chooses), for clipped records of norm 1.
+
+    With participations at `p_1 < p_2 < ...` and records `g_i` of norm at
+    most 1, `|C x|^2 = sum_{i,k} (C^T C)[p_i, p_k] <g_i, g_k>`, at most
+    `sum_{i,k} |(C^T C)[p_i, p_k]|`; with `steps_per_epoch >= bands` only
+    consecutive epochs' steps can be within `bands` of each other, so the
+    worst positions follow from one pass over the epochs (dynamic
+    programming). `(C^T C)[p, p + d]` is bounded by `sum_j |c_j c_{j+d}|`
+    (columns cut short by the run's end hold less).
+
+    Raises:
+      ValueError: if `steps_per_epoch < bands`.
+    """
+    b = self.bands
+    if steps_per_epoch < b:
+      raise ValueError(
+          f'steps_per_epoch={steps_per_epoch} is smaller than the strategy\'s '
+          f'{b} bands: an example in one step of each epoch could be in '
+          'several steps within one band; use fewer bands')
+    c = np.abs(np.asarray(self._coefficients))
+    overlap = np.array([c[:b - d] @ c[d:] for d in range(b)])  # [b]
+    best = None  # Worst total for the previous epoch's participation at p.
+    for start in range(0, steps, steps_per_epoch):
+      size = min(steps_per_epoch, steps - start)
+      if best is None:
+        best = np.full(size, overlap[0])
+        continue
+      # Without an overlap the previous epoch's best; at distance d < b the
+      # last positions of the previous epoch add 2 |(C^T C)[p', p]|.
+      here = np.full(size, best.max())
+      for d in range(1, b):
+        for p in range(min(d, size)):  # p - d is the previous epoch's p'.
+          previous = len(best) - (d - p)
+          if previous >= 0:
+            here[p] = max(here[p], best[previous] + 2 * overlap[d])
+      best = here + overlap[0]
+    return math.sqrt(best.max()) if best is not None else 0.0
+
+
+def _prefix_sum_loss(c: np.ndarray, steps: int) -> Tuple[float, np.ndarray]:
+  """Mean squared prefix-sum noise of `c` over `steps` (per unit noise std
+  and unit column norm) and its gradient in `c[1:]`.
+
+  `A C^-1` (A: lower-triangular ones) is Toeplitz with `p = cumsum(r)` on
+  its diagonals (r: `C^-1`'s coefficients), so `|A C^-1|_F^2 = sum_k
+  (steps - k) p_k^2`; times `|c|^2` (the sensitivity) it does not depend on
+  the scale of `c`. `dr / dc_j` is minus `r * r` delayed by j.
+  """
+  impulse = np.zeros(steps)
+  impulse[:1] = 1.0
+  with np.errstate(over='ignore', invalid='ignore'):
+    p = np.cumsum(signal.lfilter([1.0], c, impulse))
+    weights = steps - np.arange(steps)
+    frobenius = float(np.sum(weights * p * p))
+    norm = float(c @ c)
+    p2 = np.cumsum(signal.lfilter([1.0], np.convolve(c, c), impulse))
+    u = weights * p
+    d_frobenius = np.array([-2.0 * (u[j:] @ p2[:steps - j])
+                            for j in range(1, len(c))])
+    gradient = (d_frobenius * norm + 2.0 * frobenius * c[1:]) / steps
+  return frobenius * norm / steps, gradient
+
+
+def _square_root_coefficients(bands: int) -> np.ndarray:
+  """The first `bands` coefficients of `(1 - x)^-1/2`, `C(2k, k) / 4^k`: the
+  square-root factorization of the prefix sums (Fichtenberger et al. 2023),
+  a good start for the optimization."""
+  k = np.arange(bands)
+  return np.exp(special.gammaln(2 * k + 1) - 2 * special.gammaln(k + 1) -
+                k * np.log(4.0))
+
+
+@functools.lru_cache(maxsize=64)
+def optimal_coefficients(bands: int, steps: int) -> Tuple[float, ...]:
+  """Banded Toeplitz coefficients minimizing the prefix-sum error.
+
+  Minimizes `prefix_sum_error(steps)` (the noise of SGD's trajectory) over
+  `c_1, ..., c_{bands-1}` with `c_0 = 1` by L-BFGS from the square-root
+  factorization's coefficients, as Choquette-Choo et al. (2023) optimize
+  banded strategies; cached per `(bands, steps)`.
+
+  Returns:
+    The coefficients scaled to unit norm.
+  """
+  start = _square_root_coefficients(bands)
+  if bands == 1:
+    return (1.0,)
+
+  def log_loss(x):
+    loss, gradient = _prefix_sum_loss(np.concatenate([[1.0], x]), steps)
+    if not np.isfinite(loss) or not np.all(np.isfinite(gradient)):
+      return 1e3, np.zeros_like(x)  # An unstable C^-1: far from the optimum.
+    return math.log(loss), gradient / loss
+
+  result = optimize.minimize(log_loss, start[1:], jac=True, method='L-BFGS-B',
+                             options={'maxiter': 1000})
+  best = start
+  candidate = np.concatenate([[1.0], result.x])
+  if (_prefix_sum_loss(candidate, steps)[0] <
+      _prefix_sum_loss(start, steps)[0]):
+    best = candidate
+  return tuple(float(v) for v in best / np.linalg.norm(best))
+
+
+def banded_toeplitz(bands: int, steps: int) -> BandedToeplitz:
+  """The banded Toeplitz strategy for `steps` training steps.
+
+  Args:
+    bands: the number of bands `b >= 1` (1 is DP-SGD's independent noise);
+      each step keeps the last `b - 1` noise vectors, one copy of the noised
+      coordinates each. Amplification needs participations at least `b`
+      steps apart (`tfdpx.sampling.cyclic_poisson_batches` with `groups=b`).
+    steps: the number of training steps the error is optimized for.
+
+  Returns:
+    A `BandedToeplitz` with `optimal_coefficients(bands, steps)`.
+
+  Raises:
+    ValueError: naming the argument that is not a positive integer.
+  """
+  for name, value in (('bands', bands), ('steps', steps)):
+    if isinstance(value, bool) or int(value) != value or value < 1:
+      raise ValueError(f'{name} must be a positive integer, got {value!r}')
+  return BandedToeplitz(optimal_coefficients(int(bands), int(steps)))
+
+
+def deserialize(description: Dict[str, Any]) -> BandedToeplitz:
+  """A strategy from its `{'name': ..., 'config': ...}` description."""
+  if description.get('name') != BandedToeplitz.name:
+    raise ValueError(f'unknown noise correlation {description!r}')
+  return BandedToeplitz(**description['config'])
+
+
+def serialize(strategy: BandedToeplitz) -> Dict[str, Any]:
+  return {'name': strategy.name, 'config': strategy.config}
