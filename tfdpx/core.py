@@ -16,6 +16,10 @@ from tfdpx import gradients
 from tfdpx import noise
 
 State = Dict[str, Any]
+# The part of a privatizer's state that is as secret as the noise key: the
+# last noises of correlated noise (`tfdpx.privatizers.correlated`). The
+# optimizer keeps it out of checkpoints and saved models.
+SECRET_STATE_KEY = 'noise_history'
 PerExampleGradientsLike = Union[gradients.PerExampleGradients,
                                 Sequence[tf.Tensor]]
 """A privatizer's state: a dict (nest) of tensors, held by the optimizer."""
@@ -280,6 +284,19 @@ class Wrapper(Privatizer):
 
   def logs(self, state):
     return self._inner.logs(state['inner'])
+
+
+def secret_leaves(state: State) -> List[bool]:
+  """Per leaf of `tf.nest.flatten(state)`: whether it is secret (under a
+  `SECRET_STATE_KEY` key at any depth)."""
+  def marks(value, secret):
+    if isinstance(value, dict):
+      return {k: marks(v, secret or k == SECRET_STATE_KEY)
+              for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+      return type(value)(marks(v, secret) for v in value)
+    return secret
+  return tf.nest.flatten(marks(state, False))
 
 
 def global_sums(sums: Any) -> Any:

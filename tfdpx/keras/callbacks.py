@@ -1,10 +1,12 @@
 """Keras callbacks that report privacy.
 
 Both take the sampling of the batches explicitly: `sampling='poisson'` with
-`sampling_probability=q` (`tfdpx.sampling.poisson_batches`), or
+`sampling_probability=q` (`tfdpx.sampling.poisson_batches`),
 `sampling='shuffle'` with `steps_per_epoch` (fixed-size batches from a
-shuffled pass, Keras' default); `tfdpx.accounting.epsilon_for_sampling` then
-gives the epsilon that holds for it.
+shuffled pass, Keras' default), or `sampling='cyclic_poisson'` with
+`sampling_probability` and `groups` (`tfdpx.sampling.cyclic_poisson_batches`,
+for noise correlated across steps); `tfdpx.accounting.epsilon_for_sampling`
+then gives the epsilon that holds for it.
 """
 
 import logging
@@ -51,13 +53,13 @@ def _check_before_training(model, callback):
 
 
 def _sampling_arguments(sampling, delta, sampling_probability,
-                        steps_per_epoch, accountant):
+                        steps_per_epoch, accountant, groups):
   """The checked keyword arguments of `accounting.epsilon_for_sampling`."""
   accounting.check_accounting_arguments(
       sampling, delta=delta, sampling_probability=sampling_probability,
-      steps_per_epoch=steps_per_epoch)
+      steps_per_epoch=steps_per_epoch, groups=groups)
   return dict(sampling=sampling, sampling_probability=sampling_probability,
-              steps_per_epoch=steps_per_epoch,
+              steps_per_epoch=steps_per_epoch, groups=groups,
               accountant=accounting.check_accountant(accountant))
 
 
@@ -71,22 +73,26 @@ class PrivacyCallback(tf.keras.callbacks.Callback):
   def __init__(self, *, sampling: str, delta: float,
                sampling_probability: Optional[float] = None,
                steps_per_epoch: Optional[int] = None,
-               accountant: str = 'rdp'):
+               accountant: str = 'rdp',
+               groups: Optional[int] = None):
     """Args:
-      sampling: 'poisson' or 'shuffle', how the batches are drawn.
+      sampling: 'poisson', 'shuffle' or 'cyclic_poisson', how the batches
+        are drawn.
       delta: target delta.
-      sampling_probability: with `sampling='poisson'` only: q = expected
-        batch size / n.
+      sampling_probability: with `sampling='poisson'`: q = expected batch
+        size / n; with 'cyclic_poisson', within the step's group.
       steps_per_epoch: with `sampling='shuffle'` only: steps of one pass over
         the data (`n // batch_size` for `drop_remainder` batches).
       accountant: 'rdp' (default) or 'pld' (`tfdpx.accounting.ACCOUNTANTS`).
+      groups: with `sampling='cyclic_poisson'` only: the number of groups.
 
     Raises:
       ValueError: naming a missing, extra or bad argument.
     """
     super().__init__()
     self.sampling_arguments = _sampling_arguments(
-        sampling, delta, sampling_probability, steps_per_epoch, accountant)
+        sampling, delta, sampling_probability, steps_per_epoch, accountant,
+        groups)
     self.delta = delta
 
   def _epsilon(self, steps=None):
@@ -119,11 +125,12 @@ class EpsilonBudget(tf.keras.callbacks.Callback):
   def __init__(self, target_epsilon: float, *, sampling: str, delta: float,
                sampling_probability: Optional[float] = None,
                steps_per_epoch: Optional[int] = None,
-               accountant: str = 'rdp'):
+               accountant: str = 'rdp',
+               groups: Optional[int] = None):
     """Args:
       target_epsilon: the budget, > 0.
-      sampling, delta, sampling_probability, steps_per_epoch, accountant: as
-        in `PrivacyCallback`.
+      sampling, delta, sampling_probability, steps_per_epoch, accountant,
+        groups: as in `PrivacyCallback`.
 
     Raises:
       ValueError: naming a missing, extra or bad argument.
@@ -133,7 +140,8 @@ class EpsilonBudget(tf.keras.callbacks.Callback):
       raise ValueError(f'target_epsilon must be > 0, got {target_epsilon!r}')
     self.target_epsilon = target_epsilon
     self.sampling_arguments = _sampling_arguments(
-        sampling, delta, sampling_probability, steps_per_epoch, accountant)
+        sampling, delta, sampling_probability, steps_per_epoch, accountant,
+        groups)
     self.delta = delta
     self.stopped_at_step = None
     self._execution_steps = 1

@@ -330,6 +330,34 @@ class DPOptimizerMixin:
         self._dp_state_structure,
         [tf.convert_to_tensor(v) for v in self._dp_state_vars]))
 
+  def secret_checkpoint(self) -> tf.train.Checkpoint:
+    """A checkpoint of the privatizer's secret state, for a secret store.
+
+    The last noises of noise correlated across steps
+    (`tfdpx.privatizers.correlated`) are as secret as the noise key, so no
+    checkpoint or saved model of the model or optimizer holds them. Save
+    this checkpoint only where the training data may be kept, and restore it
+    with the model's own checkpoint: the resumed run then continues the
+    correlation (noise that cancels as the strategy intends). Resumed
+    without it, the correlation restarts, which is as private.
+
+    Returns:
+      A `tf.train.Checkpoint` of the secret state's variables (none for a
+      privatizer without secret state).
+
+    Raises:
+      ValueError: before the optimizer's variables exist (a first step, or
+        `create_variables(model.trainable_variables)`).
+    """
+    if self._dp_state_vars is None:
+      raise ValueError(
+          'the optimizer has no variables yet: train a step or call '
+          'create_variables(model.trainable_variables) first')
+    secret = [v for v, is_secret in zip(
+        self._dp_state_vars, core.secret_leaves(self._dp_state_structure))
+              if is_secret]
+    return tf.train.Checkpoint(secret_state=secret)
+
   def create_variables(self, var_list) -> None:
     """Creates the variables a step writes, before any step is traced.
 

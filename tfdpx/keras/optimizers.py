@@ -18,6 +18,7 @@ from keras.src import backend as keras_backend
 from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras_vectorized as tfp_vectorized
 
 from tfdpx import clipping
+from tfdpx import core
 from tfdpx import per_example
 from tfdpx.keras import lazy_updates
 from tfdpx.keras import validation
@@ -44,36 +45,47 @@ NO_MODEL_WARNING = (
 
 
 
-def _key_variable(name: str, value: Optional[int]) -> tf.Variable:
-  """A variable of the noise key that no checkpoint or graph holds.
+def _secret_variable(name: str, initial: tf.Tensor) -> tf.Variable:
+  """A variable that no checkpoint, saved model or weight list holds.
 
-  A plain variable, not an optimizer weight, so that no checkpoint tracks it.
-  `value` None draws a secret from the operating system. In TF1 graph mode
-  (`get_updates`: Estimator, Keras without eager execution) it is a local
-  variable, which savers leave out, initialized by Keras's session too, and
-  the secret is drawn by its initializer when a session runs it, not written
-  into the graph as a constant (Estimator saves the graph).
-
-  Args:
-    name: the variable's name.
-    value: its initial value, or None for a fresh secret.
+  For the noise key and secret privatizer state (`core.secret_leaves`): a
+  plain variable, not an optimizer weight, so that no checkpoint tracks it.
+  In TF1 graph mode (`get_updates`: Estimator, Keras without eager
+  execution) it is a local variable, which savers leave out, initialized by
+  Keras's session too.
   """
   aggregation = tf.VariableAggregation.ONLY_FIRST_REPLICA
   if tf.executing_eagerly():
-    initial = secret_seed() if value is None else value
-    return tf.Variable(tf.constant(initial, tf.int64), trainable=False,
-                       name=name, aggregation=aggregation)
-  if value is None:
-    initial = tf.reshape(tf.numpy_function(
-        lambda: np.int64(secret_seed()), [], tf.int64, stateful=True), [])
-  else:
-    initial = tf.constant(value, tf.int64)
+    return tf.Variable(initial, trainable=False, name=name,
+                       aggregation=aggregation)
   variable = tf.compat.v1.Variable(
       initial, trainable=False, name=name, use_resource=True,
       aggregation=aggregation,
       collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
   keras_backend.track_variable(variable)  # Keras's session initializes it.
   return variable
+
+
+def _key_variable(name: str, value: Optional[int]) -> tf.Variable:
+  """A variable of the noise key that no checkpoint or graph holds.
+
+  `value` None draws a secret from the operating system; in TF1 graph mode
+  by its initializer when a session runs it, not written into the graph as
+  a constant (Estimator saves the graph).
+
+  Args:
+    name: the variable's name.
+    value: its initial value, or None for a fresh secret.
+  """
+  if tf.executing_eagerly():
+    initial = secret_seed() if value is None else value
+    return _secret_variable(name, tf.constant(initial, tf.int64))
+  if value is None:
+    initial = tf.reshape(tf.numpy_function(
+        lambda: np.int64(secret_seed()), [], tf.int64, stateful=True), [])
+  else:
+    initial = tf.constant(value, tf.int64)
+  return _secret_variable(name, initial)
 
 
 def _check_connected(grads, var_list):
@@ -162,8 +174,11 @@ class _Keras2DPOptimizer(DPOptimizerMixin):
       flat = tf.nest.flatten(state)
       self._dp_state_structure = state
       self._dp_state_vars = []
-      for i, value in enumerate(flat):
+      for i, (value, secret) in enumerate(zip(flat, core.secret_leaves(state))):
         value = tf.convert_to_tensor(value)
+        if secret:  # Like the noise key: no checkpoint or weight list.
+          self._dp_state_vars.append(_secret_variable(f'dp_secret_{i}', value))
+          continue
         variable = self.add_weight(
             f'dp_state_{i}', shape=value.shape, dtype=value.dtype,
             trainable=False,

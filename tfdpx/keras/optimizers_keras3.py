@@ -15,6 +15,7 @@ import keras
 import tensorflow as tf
 from keras.src.utils import tracking
 
+from tfdpx import core
 from tfdpx.keras import keras3
 from tfdpx.keras import lazy_updates
 from tfdpx.keras.dp_optimizer import DPOptimizerMixin
@@ -48,10 +49,12 @@ class _Keras3DPOptimizer(DPOptimizerMixin):
     self._released = threading.local()
 
   def _new_key_variable(self, name, value):
+    initial = secret_seed() if value is None else value
+    return self._new_secret_variable(name, tf.constant(initial, tf.int64))
+
+  def _new_secret_variable(self, name, initial):
     with tf.init_scope():
-      initial = secret_seed() if value is None else value
-      return tf.Variable(tf.constant(initial, tf.int64), trainable=False,
-                         name=name,
+      return tf.Variable(initial, trainable=False, name=name,
                          aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
   def _before_release(self, var_list):
@@ -79,9 +82,13 @@ class _Keras3DPOptimizer(DPOptimizerMixin):
     super().build(variables)
     state = self._privatizer.init(keras3.tf_variables(variables))
     self._dp_state_structure = state
+    # Secret state, as the noise key, in plain variables outside the
+    # optimizer's: no checkpoint or saved model holds them.
     self._dp_state_vars = [
+        self._new_secret_variable(f'dp_secret_{i}', value) if secret else
         self._dp_variable(f'dp_state_{i}', value)
-        for i, value in enumerate(tf.nest.flatten(state))]
+        for i, (value, secret) in enumerate(zip(
+            tf.nest.flatten(state), core.secret_leaves(state)))]
     self._dp_steps = self._dp_variable('dp_steps', 0)
     if self._num_microbatches is not None:
       self._examples_per_record = self._dp_variable(

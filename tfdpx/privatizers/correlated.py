@@ -20,9 +20,13 @@ class Correlated(core.Wrapper):
   with the release's own std. The noise is computed online from the last
   `bands - 1` noises of each release, kept in the state (`noise_history`):
   `bands - 1` copies of the noised coordinates. The history is as secret as
-  the noise key: it is in the optimizer's variables (checkpoints restore it)
-  and in no log; whoever reads it can remove part of the noise of the last
-  `bands - 1` steps.
+  the noise key (whoever reads it can remove part of the noise of the last
+  `bands - 1` steps): a tfdpx optimizer keeps it in variables that no
+  checkpoint, saved model or log holds, and saves it only where asked to
+  (`secret_checkpoint()`, for a resume that continues the correlation). A
+  run resumed without it restarts the correlation, which is as private:
+  the strategy becomes block diagonal, its columns still of norm at most 1
+  and `bands` rows long at most.
 
   Privacy:
     What is clipped, to which norm, is `inner`'s. Each step's releases are
@@ -90,7 +94,7 @@ class Correlated(core.Wrapper):
     history = self._strategy.bands - 1
     return {
         'inner': self.inner.init(params),
-        'noise_history': [
+        core.SECRET_STATE_KEY: [
             [tf.zeros([history, *shape], tf.float32) for shape in release]
             for release in self.inner.gaussian_release_shapes(params)],
     }
@@ -113,13 +117,13 @@ class Correlated(core.Wrapper):
 
   def release(self, sums, state, plan, seed):
     releases = noise.CorrelatedReleases(self._strategy.correlate,
-                                        state['noise_history'])
+                                        state[core.SECRET_STATE_KEY])
     with noise.correlated_releases(releases):
       noisy_sum, inner_state = self.inner.release(sums, state['inner'], plan,
                                                   seed)
     releases.check_complete()
     return noisy_sum, {'inner': inner_state,
-                       'noise_history': releases.new_histories}
+                       core.SECRET_STATE_KEY: releases.new_histories}
 
   def dp_event(self, step):
     # One participation; the accountant composes by the sampling.
