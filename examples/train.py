@@ -140,11 +140,20 @@ flags.DEFINE_enum('accountant', 'rdp', ['rdp', 'pld'],
                   'callbacks, statement): rdp (as tensorflow-privacy) or pld '
                   '(privacy loss distributions: tighter, so less noise for '
                   'the same epsilon).')
-flags.DEFINE_enum('sampling', 'poisson', ['poisson', 'shuffle'],
+flags.DEFINE_enum('sampling', 'poisson', ['poisson', 'shuffle',
+                                          'cyclic_poisson'],
                   'Poisson sampling (fixed-shape masked batches, fresh each '
-                  'epoch; epsilon with amplification by sampling), or '
+                  'epoch; epsilon with amplification by sampling), '
                   'fixed-size batches from a shuffled pass (epsilon with each '
-                  'example once per epoch, no amplification).')
+                  'example once per epoch, no amplification), or cyclic '
+                  'Poisson sampling over --noise_bands groups (the expected '
+                  'batch is still --batch_size; amplified banded matrix '
+                  'factorization).')
+flags.DEFINE_integer('noise_bands', 1,
+                     'Noise correlated across steps by a banded Toeplitz '
+                     'strategy of this many bands, optimized for the run\'s '
+                     'steps (1: independent noise); needs '
+                     '--sampling=cyclic_poisson or shuffle.')
 flags.DEFINE_enum('engine', 'make_private', ['make_private', 'compile'],
                   'Per-example gradients: the linear-time engine of '
                   'make_private, or the Jacobian of the compile path.')
@@ -219,6 +228,10 @@ def build_privatizer(noise_multiplier, steps_per_epoch):
     privatizer = tfdpx.privatizers.sparsified(
         privatizer, FLAGS.final_sparsity, FLAGS.epochs, steps_per_epoch,
         mask_seed=FLAGS.seed or 0)
+  if FLAGS.noise_bands > 1:
+    privatizer = tfdpx.privatizers.correlated(
+        privatizer, tfdpx.correlation.banded_toeplitz(
+            FLAGS.noise_bands, FLAGS.epochs * steps_per_epoch))
   return privatizer
 
 
@@ -287,7 +300,20 @@ def run(argv=None):
   q = FLAGS.batch_size / records
   if FLAGS.num_users and FLAGS.sampling != 'poisson':
     raise ValueError('--num_users needs --sampling=poisson (users sampled)')
-  if FLAGS.sampling == 'poisson':
+  cyclic = None
+  if FLAGS.sampling == 'cyclic_poisson':
+    # Step t samples group t mod groups: the expected batch stays batch_size.
+    groups = FLAGS.noise_bands
+    steps_per_epoch = sampling.steps_per_epoch(n, FLAGS.batch_size)
+    accounted = {'sampling': 'cyclic_poisson', 'groups': groups,
+                 'sampling_probability': min(1.0, q * groups)}
+
+    def cyclic(first_step):
+      return sampling.cyclic_poisson_batches(
+          x_train, y_train, sampling_probability=min(1.0, q * groups),
+          groups=groups, steps=steps_per_epoch, first_step=first_step,
+          seed=FLAGS.insecure_noise_seed)
+  elif FLAGS.sampling == 'poisson':
     steps_per_epoch = sampling.steps_per_epoch(records, FLAGS.batch_size)
     accounted = {'sampling': 'poisson', 'sampling_probability': q}
     # One dataset for the run: every pass over it draws fresh samples.
@@ -355,8 +381,11 @@ def run(argv=None):
         **accounted))
   history = []
   start = time.time()
+  if cyclic is not None:
+    # One dataset for the run, continuing the cycle of a resumed run.
+    poisson = cyclic(int(epoch.numpy()) * steps_per_epoch)
   for e in range(int(epoch.numpy()), FLAGS.epochs):
-    data = (poisson if FLAGS.sampling == 'poisson' else
+    data = (poisson if FLAGS.sampling != 'shuffle' else
             _shuffled_epoch(x_train, y_train, e, seed))
     logs = trained.fit(data, initial_epoch=e, epochs=e + 1,
                        callbacks=callbacks, verbose=FLAGS.verbose).history
@@ -376,7 +405,7 @@ def run(argv=None):
   statement = tfdpx.accounting.privacy_statement(
       optimizer, num_examples=n, expected_batch_size=FLAGS.batch_size,
       delta=FLAGS.delta, sampling=FLAGS.sampling, accountant=FLAGS.accountant,
-      num_users=FLAGS.num_users)
+      num_users=FLAGS.num_users, groups=accounted.get('groups'))
   if FLAGS.export_dir:
     tf.saved_model.save(model, FLAGS.export_dir)
   return {'epsilon': eps, 'delta': FLAGS.delta, 'sampling': FLAGS.sampling,

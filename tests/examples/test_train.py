@@ -91,6 +91,23 @@ def test_shuffled_run_reports_the_once_per_epoch_bound():
   assert 'which this run did not use: not a guarantee' in results['statement']
 
 
+def test_correlated_run_samples_cyclically_and_says_so():
+  """Noise correlated over 3 steps, 3 groups of 32 examples, the expected
+  batch still 32 (each member of the step's group sampled): 2 epochs of 3
+  steps, each example in at most 2 of them."""
+  results = train.run(TINY + ['--sampling=cyclic_poisson', '--noise_bands=3',
+                              '--noise_multiplier=1.0', '--epochs=2'])
+  correlated = tfdpx.privatizers.correlated(
+      tfdpx.privatizers.gaussian(1.0, 1.0),
+      tfdpx.correlation.banded_toeplitz(3, 6))
+  expected = tfdpx.accounting.epsilon_cyclic_poisson(
+      correlated, steps=6, sampling_probability=1.0, groups=3, delta=1e-5)
+  assert results['steps'] == 6
+  assert results['epsilon'] == pytest.approx(expected, rel=1e-12)
+  assert 'cyclic Poisson: 3 groups' in results['statement']
+  assert 'correlated across steps' in results['statement']
+
+
 def test_shuffled_run_calibrates_to_its_own_bound():
   results = train.run(TINY + ['--sampling=shuffle', '--target_epsilon=8',
                               '--epochs=2'])

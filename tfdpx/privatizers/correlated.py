@@ -125,6 +125,9 @@ class Correlated(core.Wrapper):
     return noisy_sum, {'inner': inner_state,
                        core.SECRET_STATE_KEY: releases.new_histories}
 
+  def __repr__(self):
+    return f'correlated({self.inner!r}, {self._strategy!r})'
+
   def dp_event(self, step):
     # One participation; the accountant composes by the sampling.
     return self.inner.dp_event(step)
