@@ -1,0 +1,91 @@
+"""Where correlated noise can gain: the trajectory's noise at equal epsilon.
+
+For each setting (examples n, expected batch B, epochs, target epsilon) this
+calibrates, with tfdpx's accountant, DP-SGD's noise multiplier under Poisson
+sampling and the multiplier of banded matrix factorization with `b` bands
+under cyclic Poisson sampling over `b` groups (the group's sampling
+probability is `b` times DP-SGD's, each example in a `b`-th of the steps),
+and prints the root mean squared noise of the prefix sums (SGD's trajectory)
+relative to DP-SGD's: `z_b * error_b / (z_1 * error_1)`, below 1 where the
+strategy's cancellation outweighs the weaker amplification. The settings
+include those of the utility table (docs/correlated_noise.md) and, for
+comparison, settings like the papers' (many steps, larger epsilon).
+
+Usage: python -m benchmarks.correlated_error [--out=FILE]
+"""
+
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags  # pylint: disable=g-import-not-at-top
+
+from tfdpx import accounting  # pylint: disable=g-import-not-at-top
+from tfdpx import correlation  # pylint: disable=g-import-not-at-top
+from tfdpx import privatizers  # pylint: disable=g-import-not-at-top
+
+flags.DEFINE_string('out', None, 'Also write the table to this file.')
+FLAGS = flags.FLAGS
+
+DELTA = 1e-5
+BANDS = (2, 4, 8, 16, 32)
+# n, expected batch, epochs, target epsilon.
+SETTINGS = [
+    (3200, 500, 30, 3.0),
+    (3200, 64, 30, 1.0),
+    (3200, 64, 30, 3.0),
+    (3200, 64, 30, 8.0),
+    (50000, 256, 20, 1.0),
+    (50000, 500, 100, 8.0),
+]
+
+
+def row(n, batch, epochs, epsilon):
+  """The table row of one setting."""
+  steps = epochs * math.ceil(n / batch)
+  gaussian = privatizers.gaussian(1.0, 1.0)
+  z = accounting.calibrate_noise_multiplier(
+      epsilon, gaussian, steps=steps, delta=DELTA,
+      sampling_probability=batch / n)
+  reference = z * correlation.banded_toeplitz(1, steps).prefix_sum_error(
+      steps)
+  cells = []
+  for bands in BANDS:
+    if bands * batch > n:
+      cells.append('')
+      continue
+    banded = privatizers.correlated(
+        gaussian, correlation.banded_toeplitz(bands, steps))
+    z_b = accounting.calibrate_noise_multiplier(
+        epsilon, banded, steps=steps, delta=DELTA,
+        sampling_probability=bands * batch / n, groups=bands)
+    error = z_b * banded.correlation.prefix_sum_error(steps) / reference
+    cells.append(f'{error:.3f} (z {z_b:.2f})')
+  return (f'| {n} | {batch} | {epochs} | {steps} | {epsilon:g} | {z:.2f} | ' +
+          ' | '.join(cells) + ' |')
+
+
+def main(argv):
+  del argv
+  lines = [
+      '| n | B | epochs | steps | ε | DP-SGD z | ' +
+      ' | '.join(f'b = {b}' for b in BANDS) + ' |',
+      '|' + '---:|' * (6 + len(BANDS)),
+  ]
+  for setting in SETTINGS:
+    lines.append(row(*setting))
+    print(lines[-1], flush=True)
+  table = '\n'.join(lines)
+  print(table)
+  if FLAGS.out:
+    with open(FLAGS.out, 'w') as f:
+      f.write(f'`python -m benchmarks.correlated_error` (delta {DELTA:g}; '
+              'relative trajectory noise, and the noise multiplier)\n\n')
+      f.write(table + '\n')
+
+
+if __name__ == '__main__':
+  app.run(main)
