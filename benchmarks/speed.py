@@ -159,6 +159,11 @@ PRIVATIZERS = {
     'dpdr': lambda: privatizers.dpdr(1.0, 1.0),
     'sparsified': lambda: privatizers.sparsified(
         privatizers.gaussian(1.0, 1.0), 0.9, epochs=2, steps_per_epoch=1000),
+    # DP-SGD's noise correlated over 8 steps (banded MF): 7 noise vectors
+    # of the model's size kept and read every step.
+    'correlated': lambda: privatizers.correlated(
+        privatizers.gaussian(1.0, 1.0),
+        tfdpx.correlation.banded_toeplitz(8, 1000)),
     'd2p2': lambda: privatizers.d2p2(1.0),
     'gep': lambda: privatizers.gep(50, 1.0, 1.0, 1.0),
     # GEP keeping its basis for 10 steps (loses accuracy: docs/gep.md).

@@ -129,8 +129,8 @@ class BandedToeplitz:
 
     Returns:
       `(noise, new_history)`: `w_t = (z_t - sum_j c_j w_{t-j}) / c_0` per
-      part, N(0, 1) marginally only at the first step, and the history with
-      `w_t` in front.
+      part (its std the norm of row t of `C^-1`, `1 / c_0` at the first
+      step), and the history with `w_t` in front.
     """
     c = self._coefficients
     noise, new_history = [], []
