@@ -7,6 +7,7 @@ add noise. See DESIGN.md, "Core abstraction: the privatizer".
 """
 
 import abc
+import collections.abc
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import dp_accounting
@@ -290,11 +291,13 @@ def secret_leaves(state: State) -> List[bool]:
   """Per leaf of `tf.nest.flatten(state)`: whether it is secret (under a
   `SECRET_STATE_KEY` key at any depth)."""
   def marks(value, secret):
-    if isinstance(value, dict):
+    # Plain containers of the same layout: Keras wraps the state's lists and
+    # dicts in tracking types of its own.
+    if isinstance(value, collections.abc.Mapping):
       return {k: marks(v, secret or k == SECRET_STATE_KEY)
               for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-      return type(value)(marks(v, secret) for v in value)
+      return [marks(v, secret) for v in value]
     return secret
   return tf.nest.flatten(marks(state, False))
 

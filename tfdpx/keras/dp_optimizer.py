@@ -9,7 +9,7 @@ are created and how gradients reach it.
 """
 
 import os
-from typing import Optional
+from typing import List, Optional
 
 import dp_accounting
 import tensorflow as tf
@@ -60,6 +60,14 @@ class _NoiseKey:
     self.secret = secret
     self.counter = counter
 
+
+
+class _SecretState:
+  """The variables of the privatizer's secret state (`core.secret_leaves`):
+  a plain object, which no checkpoint tracks, as `_NoiseKey`."""
+
+  def __init__(self, variables: List[tf.Variable]):
+    self.variables = variables
 
 
 class DPOptimizerMixin:
@@ -195,7 +203,8 @@ class DPOptimizerMixin:
     self._noise_seed = None if noise_seed is None else int(noise_seed)
     self._noise_key = None
     self._saved_dp_steps = 0
-    self._dp_state_vars = None
+    self._dp_state_vars = None  # The public state's, which checkpoints keep.
+    self._secret_state = None
     self._dp_state_structure = None
     self._dp_steps = None
     self._examples_per_record = None
@@ -221,6 +230,38 @@ class DPOptimizerMixin:
   def _new_key_variable(self, name: str, value: Optional[int]) -> tf.Variable:
     """A variable of the noise key; `value` None draws a secret."""
     raise NotImplementedError
+
+  def _new_secret_variable(self, name: str, value: tf.Tensor) -> tf.Variable:
+    """A variable initialized to `value` that no checkpoint holds."""
+    raise NotImplementedError
+
+  def _create_state_variables(self, state, public_variable) -> List[tf.Variable]:
+    """The variables of the privatizer state `state`.
+
+    Each public leaf by `public_variable(name, value)`, returned in order:
+    the caller keeps them in `_dp_state_vars`, which checkpoints track. Each
+    secret leaf (`core.secret_leaves`: the noise history of correlated noise)
+    in a variable no checkpoint, saved model or weight list holds, as the
+    noise key's (`_SecretState`).
+    """
+    self._dp_state_structure = state
+    public, secret = [], []
+    for i, (value, is_secret) in enumerate(zip(tf.nest.flatten(state),
+                                               core.secret_leaves(state))):
+      value = tf.convert_to_tensor(value)
+      if is_secret:
+        secret.append(self._new_secret_variable(f'dp_secret_{i}', value))
+      else:
+        public.append(public_variable(f'dp_state_{i}', value))
+    self._secret_state = _SecretState(secret)
+    return public
+
+  def _state_variables(self) -> List[tf.Variable]:
+    """Every variable of the privatizer state, in `tf.nest.flatten` order."""
+    public = iter(self._dp_state_vars)
+    secret = iter(self._secret_state.variables)
+    return [next(secret) if is_secret else next(public)
+            for is_secret in core.secret_leaves(self._dp_state_structure)]
 
   def _read_int(self, variable) -> int:
     """The value of an integer variable, outside any trace."""
@@ -328,7 +369,7 @@ class DPOptimizerMixin:
       return {}
     return self._privatizer.logs(tf.nest.pack_sequence_as(
         self._dp_state_structure,
-        [tf.convert_to_tensor(v) for v in self._dp_state_vars]))
+        [tf.convert_to_tensor(v) for v in self._state_variables()]))
 
   def secret_checkpoint(self) -> tf.train.Checkpoint:
     """A checkpoint of the privatizer's secret state, for a secret store.
@@ -353,10 +394,7 @@ class DPOptimizerMixin:
       raise ValueError(
           'the optimizer has no variables yet: train a step or call '
           'create_variables(model.trainable_variables) first')
-    secret = [v for v, is_secret in zip(
-        self._dp_state_vars, core.secret_leaves(self._dp_state_structure))
-              if is_secret]
-    return tf.train.Checkpoint(secret_state=secret)
+    return tf.train.Checkpoint(secret_state=self._secret_state.variables)
 
   def create_variables(self, var_list) -> None:
     """Creates the variables a step writes, before any step is traced.
@@ -493,16 +531,16 @@ class DPOptimizerMixin:
     """
     self._before_release(var_list)
     self._check_ledger_restored()
+    variables = self._state_variables()
     state = tf.nest.pack_sequence_as(
-        self._dp_state_structure,
-        [tf.convert_to_tensor(v) for v in self._dp_state_vars])
+        self._dp_state_structure, [tf.convert_to_tensor(v) for v in variables])
     noisy_sum, new_state = update(state, self._next_noise_key())
     # The updates wait for the noisy sum, which depends on the data: a step
     # that fails for want of data (the end of a dataset of unknown length)
     # must not advance the state or the step count.
     with tf.control_dependencies([_values(s) for s in noisy_sum]):
       updates = [variable.assign(value) for variable, value in zip(
-          self._dp_state_vars, tf.nest.flatten(new_state))]
+          variables, tf.nest.flatten(new_state))]
       updates.append(self.dp_steps.assign_add(1))
       if self._num_microbatches is not None and num_examples is not None:
         per_record = tf.cast(num_examples // self._num_microbatches, tf.int64)

@@ -18,7 +18,6 @@ from keras.src import backend as keras_backend
 from tensorflow_privacy.privacy.optimizers import dp_optimizer_keras_vectorized as tfp_vectorized
 
 from tfdpx import clipping
-from tfdpx import core
 from tfdpx import per_example
 from tfdpx.keras import lazy_updates
 from tfdpx.keras import validation
@@ -117,6 +116,9 @@ class _Keras2DPOptimizer(DPOptimizerMixin):
   def _new_key_variable(self, name, value):
     return _key_variable(name, value)
 
+  def _new_secret_variable(self, name, value):
+    return _secret_variable(name, value)
+
   def _read_int(self, variable) -> int:
     with tf.init_scope():  # TF1 graph mode too.
       return int(tf.keras.backend.get_value(variable))
@@ -169,23 +171,17 @@ class _Keras2DPOptimizer(DPOptimizerMixin):
   def _create_dp_weights(self, var_list):
     if self._dp_state_vars is not None:
       return
+    def weight(name, value):
+      variable = self.add_weight(
+          name, shape=value.shape, dtype=value.dtype, trainable=False,
+          initializer=lambda shape, dtype=None: value,
+          aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+      self._weights.append(variable)
+      return variable
+
     with tf.init_scope():
-      state = self._privatizer.init(var_list)
-      flat = tf.nest.flatten(state)
-      self._dp_state_structure = state
-      self._dp_state_vars = []
-      for i, (value, secret) in enumerate(zip(flat, core.secret_leaves(state))):
-        value = tf.convert_to_tensor(value)
-        if secret:  # Like the noise key: no checkpoint or weight list.
-          self._dp_state_vars.append(_secret_variable(f'dp_secret_{i}', value))
-          continue
-        variable = self.add_weight(
-            f'dp_state_{i}', shape=value.shape, dtype=value.dtype,
-            trainable=False,
-            initializer=lambda shape, dtype=None, v=value: v,
-            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-        self._dp_state_vars.append(variable)
-        self._weights.append(variable)
+      self._dp_state_vars = self._create_state_variables(
+          self._privatizer.init(var_list), weight)
     _ = self.dp_steps
     if self._num_microbatches is not None:
       self._weights.append(self._examples_per_record_seen)

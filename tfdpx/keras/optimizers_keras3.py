@@ -15,7 +15,6 @@ import keras
 import tensorflow as tf
 from keras.src.utils import tracking
 
-from tfdpx import core
 from tfdpx.keras import keras3
 from tfdpx.keras import lazy_updates
 from tfdpx.keras.dp_optimizer import DPOptimizerMixin
@@ -80,15 +79,9 @@ class _Keras3DPOptimizer(DPOptimizerMixin):
     variables (`.keras`, matched by position) load into the same ones.
     """
     super().build(variables)
-    state = self._privatizer.init(keras3.tf_variables(variables))
-    self._dp_state_structure = state
-    # Secret state, as the noise key, in plain variables outside the
-    # optimizer's: no checkpoint or saved model holds them.
-    self._dp_state_vars = [
-        self._new_secret_variable(f'dp_secret_{i}', value) if secret else
-        self._dp_variable(f'dp_state_{i}', value)
-        for i, (value, secret) in enumerate(zip(
-            tf.nest.flatten(state), core.secret_leaves(state)))]
+    self._dp_state_vars = self._create_state_variables(
+        self._privatizer.init(keras3.tf_variables(variables)),
+        self._dp_variable)
     self._dp_steps = self._dp_variable('dp_steps', 0)
     if self._num_microbatches is not None:
       self._examples_per_record = self._dp_variable(
