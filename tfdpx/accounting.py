@@ -402,9 +402,7 @@ def epsilon_cyclic_poisson(
 
 
 def _checked_groups(groups) -> int:
-  if isinstance(groups, bool) or int(groups) != groups or groups < 1:
-    raise ValueError(f'groups must be an integer >= 1, got {groups!r}')
-  return int(groups)
+  return core.check_positive_int('groups', groups)
 
 
 def _check_delta(delta):
