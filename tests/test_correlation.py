@@ -79,7 +79,7 @@ def test_online_noise_is_the_inverse_applied_to_the_draws():
   strategy = correlation.banded_toeplitz(4, 30)
   steps, width = 10, 3
   draws = np.random.default_rng(0).normal(size=(steps, width))
-  history = [tf.zeros([strategy.bands - 1, width])]
+  history = [[tf.zeros([width])] * (strategy.bands - 1)]
   noises = []
   for t in range(steps):
     (noise,), history = strategy.correlate(

@@ -118,30 +118,33 @@ class BandedToeplitz:
     std: `sqrt((steps + 1) / 2)` for DP-SGD (one band)."""
     return math.sqrt(_prefix_sum_loss(np.asarray(self._coefficients), steps)[0])
 
-  def correlate(self, draws: List[tf.Tensor], history: List[tf.Tensor]
-                ) -> Tuple[List[tf.Tensor], List[tf.Tensor]]:
+  def correlate(self, draws: List[tf.Tensor], history: List[List[tf.Tensor]]
+                ) -> Tuple[List[tf.Tensor], List[List[tf.Tensor]]]:
     """This step's noise from its independent draws and the last noises.
 
     Args:
       draws: independent N(0, 1) draws `z_t`, one tensor per released part.
-      history: per part, `[bands - 1, *shape]`: `w_{t-1}, ..., w_{t-b+1}`
-        (zeros before the first step).
+      history: per part, the `bands - 1` last noises `[w_{t-1}, ...,
+        w_{t-b+1}]`, each shaped like the part (zeros before the first step).
 
     Returns:
       `(noise, new_history)`: `w_t = (z_t - sum_j c_j w_{t-j}) / c_0` per
       part (its std the norm of row t of `C^-1`, `1 / c_0` at the first
-      step), and the history with `w_t` in front.
+      step), and the history with `w_t` in front. The history is a list of
+      tensors, not one stacked tensor, so that shifting it moves no data:
+      assigning a variable the tensor of another shares its buffer, while a
+      stacked shift copies `bands - 1` copies of the coordinates every step.
     """
     c = self._coefficients
     noise, new_history = [], []
     for z, past in zip(draws, history):
       w = z
-      if c[1:]:
-        earlier = tf.tensordot(tf.constant(c[1:], z.dtype), past, axes=1)
-        w = z - earlier
+      if past:
+        w = z - tf.add_n([tf.constant(c_j, z.dtype) * w_j
+                          for c_j, w_j in zip(c[1:], past)])
       w = w / tf.constant(c[0], z.dtype)
       noise.append(w)
-      new_history.append(tf.concat([w[tf.newaxis], past[:-1]], axis=0))
+      new_history.append(([w] + list(past))[:len(past)])
     return noise, new_history
 
   def once_per_epoch_sensitivity(self, steps: int,

@@ -290,8 +290,10 @@ class CorrelatedReleases:
           'declared (gaussian_release_shapes)')
     history = self._histories[i]
     shapes = [tuple(s.shape) for s in sums]
-    declared = [tuple(h.shape[1:]) for h in history]
-    if shapes != declared:
+    # Each part's history: its last noises, shaped like the part.
+    declared = [tuple(h[0].shape) if h else shape
+                for h, shape in zip(history, shapes)]
+    if len(history) != len(shapes) or shapes != declared:
       raise ValueError(
           f'Gaussian release {i} has shapes {shapes}, but its privatizer '
           f'declared {declared} (gaussian_release_shapes)')

@@ -70,8 +70,9 @@ def test_no_checkpoint_or_saved_model_holds_the_history(tmp_path):
   model = _model()
   model.fit(_batches(4), verbose=0)
   secret = _secret_history(model.optimizer)
+  # The last GROUPS - 1 noises of each variable.
   assert [h.shape for h in secret] == [
-      (GROUPS - 1,) + s for s in ((5, 4), (4,), (4, 2), (2,))]
+      s for s in ((5, 4), (4,), (4, 2), (2,)) for _ in range(GROUPS - 1)]
   path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
       os.path.join(tmp_path, 'ckpt'))
   names = [name for name, _ in tf.train.list_variables(path)]

@@ -80,10 +80,10 @@ def test_dpdr_keeps_a_history_for_each_release():
       correlation.banded_toeplitz(3, 20))
   state = privatizer.init([tf.Variable(tf.zeros(s)) for s in SHAPES])
   perp, alpha = state['noise_history']
-  assert [h.shape for h in perp] == [(2,) + s for s in SHAPES]
-  assert [h.shape for h in alpha] == [(2, 2)]
+  assert [[w.shape for w in h] for h in perp] == [[s, s] for s in SHAPES]
+  assert [[w.shape for w in h] for h in alpha] == [[(2,), (2,)]]
   _, state = _noises(privatizer, 2)
-  assert np.any(state['noise_history'][1][0].numpy() != 0)
+  assert np.any(state['noise_history'][1][0][0].numpy() != 0)
 
 
 def test_history_is_not_logged():

@@ -95,7 +95,8 @@ class Correlated(core.Wrapper):
     return {
         'inner': self.inner.init(params),
         core.SECRET_STATE_KEY: [
-            [tf.zeros([history, *shape], tf.float32) for shape in release]
+            [[tf.zeros(shape, tf.float32) for _ in range(history)]
+             for shape in release]
             for release in self.inner.gaussian_release_shapes(params)],
     }
 
