@@ -154,6 +154,10 @@ flags.DEFINE_integer('noise_bands', 1,
                      'strategy of this many bands, optimized for the run\'s '
                      'steps (1: independent noise); needs '
                      '--sampling=cyclic_poisson or shuffle.')
+flags.DEFINE_integer('noise_buffers', 0,
+                     'Noise correlated across steps by a BLT strategy of this '
+                     'many buffers, optimized for the run\'s steps (0: none); '
+                     'its columns never end, so it needs --sampling=shuffle.')
 flags.DEFINE_enum('engine', 'make_private', ['make_private', 'compile'],
                   'Per-example gradients: the linear-time engine of '
                   'make_private, or the Jacobian of the compile path.')
@@ -228,10 +232,17 @@ def build_privatizer(noise_multiplier, steps_per_epoch):
     privatizer = tfdpx.privatizers.sparsified(
         privatizer, FLAGS.final_sparsity, FLAGS.epochs, steps_per_epoch,
         mask_seed=FLAGS.seed or 0)
+  if FLAGS.noise_bands > 1 and FLAGS.noise_buffers:
+    raise ValueError('--noise_bands and --noise_buffers are two strategies of '
+                     'noise correlation: pass one')
   if FLAGS.noise_bands > 1:
     privatizer = tfdpx.privatizers.correlated(
         privatizer, tfdpx.correlation.banded_toeplitz(
             FLAGS.noise_bands, FLAGS.epochs * steps_per_epoch))
+  if FLAGS.noise_buffers:
+    privatizer = tfdpx.privatizers.correlated(
+        privatizer, tfdpx.correlation.blt(
+            FLAGS.noise_buffers, FLAGS.epochs * steps_per_epoch))
   return privatizer
 
 

@@ -1,5 +1,5 @@
-"""Banded Toeplitz strategies: their matrices, error and sensitivity against
-brute force on small cases."""
+"""Banded Toeplitz and BLT strategies: their matrices, error and sensitivity
+against brute force on small cases."""
 
 import itertools
 import math
@@ -13,7 +13,7 @@ from tfdpx import correlation
 
 def _matrix(strategy, steps):
   """`C` itself, `steps x steps`."""
-  c = strategy.coefficients
+  c = strategy.toeplitz_coefficients(steps)
   matrix = np.zeros((steps, steps))
   for j, value in enumerate(c):
     matrix += np.diag(np.full(max(steps - j, 0), value), -j)[:steps, :steps]
@@ -74,12 +74,72 @@ def test_optimized_bands_beat_dp_sgd_and_the_square_root_start():
   assert errors[2] < 0.95 * start.prefix_sum_error(steps)
 
 
-def test_online_noise_is_the_inverse_applied_to_the_draws():
+# A BLT whose parameters are not the optimizer's: two decays, one of them 0.
+BLT = correlation.BufferedLinearToeplitz([0.9, 0.0], [0.4, -0.2])
+
+
+def _blt_matrix(steps):
+  """BLT's `C` from its definition, entry by entry, column norm 1 in the
+  limit."""
+  (t1, t2), (w1, w2) = BLT.decays, BLT.output_scales
+  c = [1.0] + [w1 * t1**(k - 1) + w2 * t2**(k - 1) for k in range(1, 4000)]
+  matrix = np.zeros((steps, steps))
+  for t in range(steps):
+    for u in range(t + 1):
+      matrix[t, u] = c[t - u]
+  return matrix / np.linalg.norm(c)
+
+
+def test_blt_is_its_definition_with_columns_of_norm_at_most_one():
+  matrix = _blt_matrix(12)
+  np.testing.assert_allclose(_matrix(BLT, 12), matrix, atol=1e-12)
+  inverse = np.linalg.inv(matrix)
+  np.testing.assert_allclose(BLT.inverse_coefficients(12), inverse[:, 0],
+                             atol=1e-10)
+  norms = [np.linalg.norm(BLT.toeplitz_coefficients(n)) for n in (1, 10, 500)]
+  assert norms[0] < norms[1] < norms[2] <= 1.0
+  assert norms[2] == pytest.approx(1.0, abs=1e-12)
+  workload = np.tril(np.ones((12, 12)))
+  assert BLT.prefix_sum_error(12) == pytest.approx(
+      math.sqrt(np.sum((workload @ inverse)**2) / 12), rel=1e-9)
+
+
+def test_blt_validates_and_round_trips():
+  assert BLT.buffers == BLT.history_length == 2
+  rebuilt = correlation.deserialize(correlation.serialize(BLT))
+  assert rebuilt == BLT and rebuilt.decays == (0.9, 0.0)
+  for decays, scales, name in (([], [], 'decays'), ([1.0], [0.1], 'decays'),
+                               ([-0.1], [0.1], 'decays'),
+                               ([0.5], [0.1, 0.2], 'output_scales'),
+                               ([0.5], [math.inf], 'output_scales')):
+    with pytest.raises(ValueError, match=name):
+      correlation.BufferedLinearToeplitz(decays, scales)
+  for name, args in (('buffers', (0, 10)), ('steps', (2, 0))):
+    with pytest.raises(ValueError, match=name):
+      correlation.blt(*args)
+
+
+def test_optimized_blt_beats_banded_strategies_for_one_participation():
+  """One participation (one epoch): two buffers come within 10% of three and
+  beat 64 bands, each far below DP-SGD (prefix-sum error per noise std)."""
+  steps = 1000
+  dp_sgd = math.sqrt((steps + 1) / 2)
+  errors = [correlation.blt(d, steps).prefix_sum_error(steps)
+            for d in (1, 2, 3)]
+  assert errors[0] < 0.2 * dp_sgd
+  assert errors[2] <= errors[1] * (1 + 1e-9) < errors[0]
+  assert errors[1] < 1.1 * errors[2]
+  assert errors[1] < correlation.banded_toeplitz(64, steps).prefix_sum_error(
+      steps)
+
+
+@pytest.mark.parametrize('strategy', [correlation.banded_toeplitz(4, 30), BLT],
+                         ids=['banded', 'blt'])
+def test_online_noise_is_the_inverse_applied_to_the_draws(strategy):
   """Step by step with `correlate`, the noise is `C^-1 z`."""
-  strategy = correlation.banded_toeplitz(4, 30)
   steps, width = 10, 3
   draws = np.random.default_rng(0).normal(size=(steps, width))
-  history = [[tf.zeros([width])] * (strategy.bands - 1)]
+  history = [[tf.zeros([width])] * strategy.history_length]
   noises = []
   for t in range(steps):
     (noise,), history = strategy.correlate(
@@ -95,7 +155,7 @@ def _worst_pattern(strategy, steps, steps_per_epoch, rows):
   indicator of the steps: records all equal, the worst for `C^T C >= 0`),
   with `C` of `rows` rows."""
   full = np.zeros((rows, steps))
-  c = strategy.coefficients
+  c = strategy.toeplitz_coefficients(rows)
   for t in range(steps):
     for j, value in enumerate(c):
       if t + j < rows:
@@ -144,3 +204,31 @@ def test_once_per_epoch_sensitivity_bounds_records_in_any_direction():
 def test_once_per_epoch_sensitivity_refuses_short_epochs():
   with pytest.raises(ValueError, match='steps_per_epoch=2 .* 3 bands'):
     correlation.banded_toeplitz(3, 10).once_per_epoch_sensitivity(10, 2)
+
+
+@pytest.mark.parametrize('steps,steps_per_epoch', [(8, 2), (10, 3), (12, 5),
+                                                   (9, 9)])
+def test_blt_once_per_epoch_sensitivity_bounds_every_pattern(
+    steps, steps_per_epoch):
+  """Above the worst of every pattern with records in any direction (the
+  brute force over indicators, and records of both signs), and not far above
+  it for an optimized BLT, whose coefficients are positive."""
+  optimized = correlation.blt(2, 40)
+  bound = optimized.once_per_epoch_sensitivity(steps, steps_per_epoch)
+  worst = _worst_pattern(optimized, steps, steps_per_epoch, steps)
+  assert worst <= bound * (1 + 1e-12) < 1.25 * worst
+  if steps == steps_per_epoch:  # One participation: its column's norm.
+    assert bound == pytest.approx(np.linalg.norm(
+        optimized.toeplitz_coefficients(steps)), rel=1e-12)
+  matrix = _matrix(BLT, steps)  # Coefficients of both signs.
+  bound = BLT.once_per_epoch_sensitivity(steps, steps_per_epoch)
+  rng = np.random.default_rng(2)
+  epochs = [range(s, min(s + steps_per_epoch, steps))
+            for s in range(0, steps, steps_per_epoch)]
+  for pattern in itertools.product(*epochs):
+    for _ in range(5):
+      records = rng.normal(size=(len(pattern), 3))
+      records /= np.linalg.norm(records, axis=1, keepdims=True)
+      x = np.zeros((steps, 3))
+      x[list(pattern)] = records
+      assert np.linalg.norm(matrix @ x) <= bound * (1 + 1e-9)

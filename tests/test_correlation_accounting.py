@@ -128,3 +128,35 @@ def test_calibration_and_statement_under_cyclic_sampling():
       privatizer, sampling='shuffle', steps=200, num_examples=1000,
       expected_batch_size=20, delta=DELTA)
   assert 'no Poisson-sampling figure: correlated noise' in shuffled
+
+
+def test_blt_is_accounted_without_amplification():
+  """A BLT's columns never end: cyclic Poisson sampling amplifies nothing
+  and is refused, as plain Poisson sampling is; shuffled batches are one
+  Gaussian mechanism of the BLT's once-per-epoch bound, and one epoch (one
+  participation) costs at most DP-SGD's single step."""
+  privatizer = privatizers.correlated(privatizers.gaussian(1.0, 2.0),
+                                      correlation.blt(2, 100))
+  with pytest.raises(ValueError, match='not banded.*sampling=.shuffle'):
+    accounting.epsilon_cyclic_poisson(privatizer, steps=100,
+                                      sampling_probability=0.1, groups=100,
+                                      delta=DELTA)
+  with pytest.raises(ValueError, match="nearby steps.* sampling='shuffle'"):
+    accounting.epsilon(privatizer, steps=100, sampling_probability=0.1,
+                       delta=DELTA)
+  for steps_per_epoch in (100, 25):
+    sensitivity = privatizer.correlation.once_per_epoch_sensitivity(
+        100, steps_per_epoch)
+    eps = accounting.epsilon_for_sampling(
+        privatizer, sampling='shuffle', steps=100,
+        steps_per_epoch=steps_per_epoch, delta=DELTA)
+    assert eps == pytest.approx(
+        _rdp(dp_accounting.GaussianDpEvent(2.0 / sensitivity)), rel=1e-9)
+  assert eps > _rdp(dp_accounting.GaussianDpEvent(2.0 / 2.0))  # 4 epochs.
+  assert accounting.epsilon_for_sampling(
+      privatizer, sampling='shuffle', steps=100, steps_per_epoch=100,
+      delta=DELTA) <= _rdp(dp_accounting.GaussianDpEvent(2.0))
+  statement = accounting.privacy_statement(
+      privatizer, sampling='shuffle', steps=100, num_examples=1000,
+      expected_batch_size=10, delta=DELTA)
+  assert 'blt(buffers=2)' in statement and '2 secret tensors' in statement

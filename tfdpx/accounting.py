@@ -32,7 +32,8 @@ Sampling is an explicit choice (`SAMPLING_ASSUMPTIONS`):
 
 Noise correlated across steps (a privatizer's `correlation`) changes how
 the steps compose: under 'cyclic_poisson' each participation is its step's
-event (the strategy's columns do not overlap); under 'shuffle' the run is one
+event (a banded strategy's columns do not overlap; a BLT, whose columns never
+end, is refused); under 'shuffle' the run is one
 Gaussian mechanism whose sensitivity is the strategy's worst once-per-epoch
 pattern; under 'poisson' it is refused (one example may be in consecutive
 steps, whose columns overlap).
@@ -217,7 +218,7 @@ def _correlation_of(source):
   """The noise correlation of a privatizer or optimizer, None if independent
   or one band (independent too)."""
   strategy = getattr(source, 'privatizer', source).correlation
-  return strategy if strategy is not None and strategy.bands > 1 else None
+  return strategy if strategy is not None and strategy.history_length else None
 
 
 def _refuse_correlation_under_poisson(source):
@@ -225,12 +226,18 @@ def _refuse_correlation_under_poisson(source):
   if strategy is not None:
     raise ValueError(
         f"sampling: the noise is correlated across steps ({strategy!r}); "
-        'under plain Poisson sampling one example can be in steps less than '
-        f'{strategy.bands} apart, whose noise is correlated, and no '
-        "Poisson-sampling epsilon bounds it. Train on cyclic Poisson batches "
-        f'(tfdpx.sampling.cyclic_poisson_batches, groups >= {strategy.bands}) '
-        "and account with sampling='cyclic_poisson', or account shuffled "
-        "batches with sampling='shuffle'.")
+        'under plain Poisson sampling one example can be in nearby steps, '
+        'whose noise is correlated, and no Poisson-sampling epsilon bounds '
+        f'it. {_correlated_sampling_advice(strategy)}')
+
+
+def _correlated_sampling_advice(strategy):
+  shuffle = "account shuffled batches with sampling='shuffle'."
+  if getattr(strategy, 'bands', None) is None:  # Columns that never end.
+    return shuffle[0].upper() + shuffle[1:]
+  return ('Train on cyclic Poisson batches (tfdpx.sampling.'
+          f'cyclic_poisson_batches, groups >= {strategy.bands}) and account '
+          f"with sampling='cyclic_poisson', or {shuffle}")
 
 
 def _has_public_denominator(source) -> bool:
@@ -385,6 +392,12 @@ def epsilon_cyclic_poisson(
   groups = _checked_groups(groups)
   _refuse_microbatches_under_poisson(source)
   strategy = _correlation_of(source)
+  if strategy is not None and getattr(strategy, 'bands', None) is None:
+    raise ValueError(
+        f"sampling='cyclic_poisson': {strategy!r} is not banded, its noise "
+        'is correlated with every later step, so no separation of an '
+        "example's steps keeps its columns apart and cyclic sampling "
+        f'amplifies nothing. {_correlated_sampling_advice(strategy)}')
   if strategy is not None and groups < strategy.bands:
     raise ValueError(
         f'groups={groups}: the noise is correlated over {strategy.bands} '
@@ -871,7 +884,8 @@ def privacy_statement(
   if strategy is not None:
     lines.append(
         f'  noise: correlated across steps ({strategy!r}: each step\'s noise '
-        f'combines its draw with the last {strategy.bands - 1} noises).')
+        f'combines its draw with {strategy.history_length} secret tensors '
+        'of earlier noise).')
   microbatches = getattr(source, 'records_are_microbatches', False)
   if microbatches:
     lines.append(

@@ -1,4 +1,4 @@
-"""Correlated noise across steps: banded Toeplitz strategies (matrix mechanism).
+"""Correlated noise across steps: banded Toeplitz and BLT strategies (matrix mechanism).
 
 DP-SGD adds fresh noise `z_t` at every step, so the model, a prefix sum of
 the noisy updates, carries the sum of every step's noise. The matrix
@@ -27,7 +27,19 @@ What one example costs depends on when it participates (`tfdpx.accounting`):
   an epoch's boundary overlap; `once_per_epoch_sensitivity` bounds the worst
   pattern, and the run is one Gaussian mechanism of that sensitivity.
 
+A BLT strategy (`blt`, Dvijotham et al. 2024) is Toeplitz but not banded:
+its coefficients are sums of `d` geometric sequences, so the noise needs
+only `d` decaying sums of the past noise, and one participation (a single
+epoch) gets far less prefix-sum error than any band count of the same
+memory. Its columns never end, so nothing is amplified by cyclic sampling:
+a run is one Gaussian mechanism of `once_per_epoch_sensitivity` (an upper
+bound for any coefficients).
+
 References:
+  Dvijotham, McMahan, Pillutla, Steinke, Thakurta, "Efficient and
+  Near-Optimal Noise Generation for Streaming Differential Privacy", FOCS
+  2024 (arXiv 2404.16706); McMahan, Xu, Zhang, "Don't use tree aggregation,
+  use BLTs" (arXiv 2408.08868).
   Choquette-Choo, McMahan, Rush, Thakurta, "Multi-Epoch Matrix Factorization
   Mechanisms for Private Machine Learning", ICML 2023.
   Choquette-Choo, Ganesh, McKenna, McMahan, Rush, Thakurta, Xu, "(Amplified)
@@ -46,7 +58,83 @@ from scipy import special
 import tensorflow as tf
 
 
-class BandedToeplitz:
+class ToeplitzStrategy:
+  """What banded and BLT strategies share: a lower-triangular Toeplitz `C`
+  of column norm at most 1, known by its first coefficients."""
+
+  name = ''
+
+  def toeplitz_coefficients(self, steps: int) -> np.ndarray:
+    """`c_0, ..., c_{steps-1}`: `C[t, t - k] = c_k`."""
+    raise NotImplementedError
+
+  def inverse_coefficients(self, steps: int) -> np.ndarray:
+    """The first `steps` coefficients of `C^-1` (lower-triangular Toeplitz):
+    the noise of step t is `sum_k r_k z_{t-k}`."""
+    impulse = np.zeros(steps)
+    impulse[:1] = 1.0
+    numerator, denominator = self._transfer_function()
+    return signal.lfilter(denominator, numerator, impulse)
+
+  def _transfer_function(self) -> Tuple[np.ndarray, np.ndarray]:
+    """`C`'s generating function `sum_k c_k x^k` as `numerator /
+    denominator` (polynomials, lowest power first)."""
+    raise NotImplementedError
+
+  @property
+  def history_length(self) -> int:
+    """The tensors shaped like the noise that a step keeps for the next."""
+    raise NotImplementedError
+
+  @property
+  def config(self) -> Dict[str, Any]:
+    raise NotImplementedError
+
+  def __eq__(self, other):
+    return type(self) is type(other) and self.config == other.config
+
+  def __hash__(self):
+    return hash(repr(self.config))
+
+  def noise_covariance(self, steps: int) -> np.ndarray:
+    """`C^-1 C^-T` over `steps` steps: the covariance across steps of one
+    coordinate's noise, in units of the noise std squared."""
+    r = self.inverse_coefficients(steps)
+    inverse = np.zeros((steps, steps))
+    for k in range(steps):
+      inverse += np.diag(np.full(steps - k, r[k]), -k)
+    return inverse @ inverse.T
+
+  def _once_per_epoch_bound(self, steps: int, steps_per_epoch: int) -> float:
+    """An upper bound on `once_per_epoch_sensitivity` for any coefficients.
+
+    Participations `p_1 < ... < p_k`, one per epoch, are at least `(l - i -
+    1) steps_per_epoch + 1` apart (`l > i`), and `|(C^T C)[p, p + d]|` is at
+    most `R(d) = sum_j |c_j c_{j+d}|` over the run's coefficients; with
+    `Rmax(d)`, the largest `R` at distances `>= d`, `|C x|^2 <= k R(0) + 2
+    sum_{g >= 1} (k - g) Rmax((g - 1) steps_per_epoch + 1)`.
+    """
+    if steps < 1:
+      return 0.0
+    c = np.abs(self.toeplitz_coefficients(steps))
+    overlap = signal.correlate(c, c, mode='full', method='auto')[steps - 1:]
+    largest_beyond = np.maximum.accumulate(overlap[::-1])[::-1]
+    epochs = -(-steps // steps_per_epoch)
+    total = epochs * overlap[0]
+    for gap in range(1, epochs):
+      total += 2 * (epochs - gap) * largest_beyond[
+          (gap - 1) * steps_per_epoch + 1]
+    return math.sqrt(max(total, 0.0))
+
+  def prefix_sum_error(self, steps: int) -> float:
+    """Root mean squared noise of the prefix sums (the model's trajectory
+    under SGD) over `steps` steps, per coordinate, in units of the noise
+    std: `sqrt((steps + 1) / 2)` for DP-SGD (one band)."""
+    p = np.cumsum(self.inverse_coefficients(steps))
+    return math.sqrt(np.sum((steps - np.arange(steps)) * p * p) / steps)
+
+
+class BandedToeplitz(ToeplitzStrategy):
   """A banded lower-triangular Toeplitz strategy with unit column norm.
 
   A small serializable value: `coefficients` (`c_0 > 0`, `c_j` for the
@@ -87,36 +175,21 @@ class BandedToeplitz:
   def config(self) -> Dict[str, Any]:
     return {'coefficients': list(self._coefficients)}
 
-  def __eq__(self, other):
-    return type(self) is type(other) and self.config == other.config
-
-  def __hash__(self):
-    return hash(self._coefficients)
-
   def __repr__(self):
     return f'banded_toeplitz(bands={self.bands})'
 
-  def inverse_coefficients(self, steps: int) -> np.ndarray:
-    """The first `steps` coefficients of `C^-1` (lower-triangular Toeplitz):
-    the noise of step t is `sum_k r_k z_{t-k}`."""
-    impulse = np.zeros(steps)
-    impulse[:1] = 1.0
-    return signal.lfilter([1.0], self._coefficients, impulse)
+  @property
+  def history_length(self) -> int:
+    return self.bands - 1
 
-  def noise_covariance(self, steps: int) -> np.ndarray:
-    """`C^-1 C^-T` over `steps` steps: the covariance across steps of one
-    coordinate's noise, in units of the noise std squared."""
-    r = self.inverse_coefficients(steps)
-    inverse = np.zeros((steps, steps))
-    for k in range(steps):
-      inverse += np.diag(np.full(steps - k, r[k]), -k)
-    return inverse @ inverse.T
+  def toeplitz_coefficients(self, steps: int) -> np.ndarray:
+    c = np.zeros(steps)
+    n = min(steps, self.bands)
+    c[:n] = self._coefficients[:n]
+    return c
 
-  def prefix_sum_error(self, steps: int) -> float:
-    """Root mean squared noise of the prefix sums (the model's trajectory
-    under SGD) over `steps` steps, per coordinate, in units of the noise
-    std: `sqrt((steps + 1) / 2)` for DP-SGD (one band)."""
-    return math.sqrt(_prefix_sum_loss(np.asarray(self._coefficients), steps)[0])
+  def _transfer_function(self):
+    return np.asarray(self._coefficients), np.ones(1)
 
   def correlate(self, draws: List[tf.Tensor], history: List[List[tf.Tensor]]
                 ) -> Tuple[List[tf.Tensor], List[List[tf.Tensor]]]:
@@ -254,6 +327,12 @@ def optimal_coefficients(bands: int, steps: int) -> Tuple[float, ...]:
   return tuple(float(v) for v in best / np.linalg.norm(best))
 
 
+def _check_positive_ints(**values):
+  for name, value in values.items():
+    if isinstance(value, bool) or int(value) != value or value < 1:
+      raise ValueError(f'{name} must be a positive integer, got {value!r}')
+
+
 def banded_toeplitz(bands: int, steps: int) -> BandedToeplitz:
   """The banded Toeplitz strategy for `steps` training steps.
 
@@ -270,18 +349,197 @@ def banded_toeplitz(bands: int, steps: int) -> BandedToeplitz:
   Raises:
     ValueError: naming the argument that is not a positive integer.
   """
-  for name, value in (('bands', bands), ('steps', steps)):
-    if isinstance(value, bool) or int(value) != value or value < 1:
-      raise ValueError(f'{name} must be a positive integer, got {value!r}')
+  _check_positive_ints(bands=bands, steps=steps)
   return BandedToeplitz(optimal_coefficients(int(bands), int(steps)))
 
 
-def deserialize(description: Dict[str, Any]) -> BandedToeplitz:
+class BufferedLinearToeplitz(ToeplitzStrategy):
+  """A buffered-linear Toeplitz (BLT) strategy with column norm at most 1.
+
+  `C`'s coefficients are `c_0 = 1` and `c_k = sum_i w_i theta_i^(k-1)` for
+  `k >= 1` (`decays` theta in [0, 1), `output_scales` w), divided by their
+  norm over an infinite run, `sqrt(1 + sum_ij w_i w_j / (1 - theta_i
+  theta_j))`, so that every column of a run of any length has norm at most
+  1. `C^-1` is a BLT too: the noise needs `buffers` decaying sums of the
+  past noise, however long the run (Dvijotham et al. 2024), where a banded
+  strategy of comparable error reads many more earlier noises. Its columns
+  never end, so no separation of an example's steps keeps them apart:
+  cyclic Poisson sampling amplifies nothing, and a run is accounted as one
+  Gaussian mechanism (`once_per_epoch_sensitivity`).
+  """
+
+  name = 'blt'
+
+  def __init__(self, decays: Sequence[float], output_scales: Sequence[float]):
+    """Args:
+      decays: `theta_1, ..., theta_d`, each in [0, 1).
+      output_scales: `w_1, ..., w_d`, finite.
+
+    Raises:
+      ValueError: naming the argument, for one that is not a list of `d >= 1`
+        such numbers, or lists of different lengths.
+    """
+    try:
+      theta = np.asarray(decays, np.float64)
+      w = np.asarray(output_scales, np.float64)
+    except (TypeError, ValueError):
+      raise ValueError(f'decays and output_scales must be numbers, got '
+                       f'{decays!r} and {output_scales!r}') from None
+    if theta.ndim != 1 or not theta.size or not np.all(
+        (theta >= 0) & (theta < 1)):
+      raise ValueError('decays must be a non-empty list of numbers in [0, 1), '
+                       f'got {decays!r}')
+    if w.shape != theta.shape or not np.all(np.isfinite(w)):
+      raise ValueError(f'output_scales must be {theta.size} finite numbers, '
+                       f'one per decay, got {output_scales!r}')
+    self._decays = tuple(float(v) for v in theta)
+    self._output_scales = tuple(float(v) for v in w)
+    # |c|^2 = 1 + sum_{k >= 1} (sum_i w_i theta_i^(k-1))^2.
+    self._norm = math.sqrt(
+        1.0 + float(w @ (1.0 / (1.0 - np.outer(theta, theta))) @ w))
+
+  @property
+  def decays(self) -> Tuple[float, ...]:
+    return self._decays
+
+  @property
+  def output_scales(self) -> Tuple[float, ...]:
+    return self._output_scales
+
+  @property
+  def buffers(self) -> int:
+    """The number of buffers `d`: a step keeps `d` sums of past noise."""
+    return len(self._decays)
+
+  @property
+  def history_length(self) -> int:
+    return self.buffers
+
+  @property
+  def config(self) -> Dict[str, Any]:
+    return {'decays': list(self._decays),
+            'output_scales': list(self._output_scales)}
+
+  def __repr__(self):
+    return f'blt(buffers={self.buffers})'
+
+  def toeplitz_coefficients(self, steps: int) -> np.ndarray:
+    k = np.arange(steps - 1)[:, np.newaxis]
+    later = (np.asarray(self._decays) ** k) @ np.asarray(self._output_scales)
+    return np.concatenate([[1.0], later])[:steps] / self._norm
+
+  def _transfer_function(self):
+    # 1 + sum_i w_i x / (1 - theta_i x), over the product of the
+    # denominators, divided by the norm.
+    denominator = np.ones(1)
+    for theta in self._decays:
+      denominator = np.convolve(denominator, [1.0, -theta])
+    numerator = np.concatenate([denominator, [0.0]])
+    for i, w in enumerate(self._output_scales):
+      others = np.ones(1)
+      for j, theta in enumerate(self._decays):
+        if j != i:
+          others = np.convolve(others, [1.0, -theta])
+      numerator[1:1 + others.size] += w * others
+    return numerator, self._norm * denominator
+
+  def correlate(self, draws: List[tf.Tensor], history: List[List[tf.Tensor]]
+                ) -> Tuple[List[tf.Tensor], List[List[tf.Tensor]]]:
+    """This step's noise from its independent draws and the buffers.
+
+    Args:
+      draws: independent N(0, 1) draws `z_t`, one tensor per released part.
+      history: per part, the `buffers` sums `s_i = sum_{u < t} theta_i^(t-1-u)
+        v_u`, each shaped like the part (zeros before the first step).
+
+    Returns:
+      `(noise, new_history)`: with `v_t = z_t - sum_i w_i s_i` (row t of the
+      unnormalized `C^-1` applied to the draws), the noise `norm * v_t` and
+      the buffers `theta_i s_i + v_t`.
+    """
+    noise, new_history = [], []
+    for z, buffers in zip(draws, history):
+      v = z - tf.add_n([tf.constant(w, z.dtype) * s for w, s in zip(
+          self._output_scales, buffers)])
+      noise.append(v * tf.constant(self._norm, z.dtype))
+      new_history.append([tf.constant(theta, z.dtype) * s + v
+                          for theta, s in zip(self._decays, buffers)])
+    return noise, new_history
+
+  def once_per_epoch_sensitivity(self, steps: int,
+                                 steps_per_epoch: int) -> float:
+    """An upper bound on the largest L2 change of `C x` from one example in
+    one step of each epoch (at positions an adversary chooses), for clipped
+    records of norm 1: `_once_per_epoch_bound`, at most 1 for one epoch."""
+    return self._once_per_epoch_bound(steps, steps_per_epoch)
+
+
+def _blt_loss(x: np.ndarray, steps: int) -> float:
+  """The log mean squared prefix-sum error of the BLT with decays
+  `sigmoid(x[:d])` and output scales `exp(x[d:])`."""
+  d = x.size // 2
+  strategy = BufferedLinearToeplitz(special.expit(x[:d]), np.exp(x[d:]))
+  with np.errstate(over='ignore', invalid='ignore'):
+    error = strategy.prefix_sum_error(steps)
+  return math.log(error) if np.isfinite(error) else 1e3
+
+
+@functools.lru_cache(maxsize=64)
+def optimal_blt_parameters(buffers: int, steps: int
+                           ) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+  """BLT decays and output scales minimizing the prefix-sum error.
+
+  Minimizes `prefix_sum_error(steps)` over decays in (0, 1) and positive
+  output scales by L-BFGS (numerical gradient), from decays spread
+  geometrically towards 1, as Dvijotham et al. (2024) and McMahan et al.
+  (2024) optimize BLTs; cached per `(buffers, steps)`.
+  """
+  # 1 - theta_i from 1 / steps^(i / buffers): time scales over the run.
+  gaps = steps ** (-np.arange(1, buffers + 1) / buffers)
+  starts = [np.concatenate([special.logit(1.0 - 0.5 * gaps),
+                            np.full(buffers, math.log(scale / buffers))])
+            for scale in (0.1, 0.3, 1.0)]
+  if buffers > 1:  # One buffer more than the best with one fewer.
+    decays, scales = optimal_blt_parameters(buffers - 1, steps)
+    starts.append(np.concatenate([special.logit(decays), [0.0],
+                                  np.log(scales), [math.log(1e-3)]]))
+  best = min((optimize.minimize(_blt_loss, start, args=(steps,),
+                                method='L-BFGS-B', options={'maxiter': 500})
+              for start in starts), key=lambda result: result.fun)
+  return (tuple(float(v) for v in special.expit(best.x[:buffers])),
+          tuple(float(v) for v in np.exp(best.x[buffers:])))
+
+
+def blt(buffers: int, steps: int) -> BufferedLinearToeplitz:
+  """The BLT strategy for `steps` training steps.
+
+  Args:
+    buffers: the number of buffers `d >= 1`; each step keeps `d` tensors of
+      the noised coordinates' size and reads and rewrites each once.
+    steps: the number of training steps the error is optimized for.
+
+  Returns:
+    A `BufferedLinearToeplitz` with `optimal_blt_parameters(buffers, steps)`.
+
+  Raises:
+    ValueError: naming the argument that is not a positive integer.
+  """
+  _check_positive_ints(buffers=buffers, steps=steps)
+  return BufferedLinearToeplitz(*optimal_blt_parameters(int(buffers),
+                                                        int(steps)))
+
+
+STRATEGIES = {cls.name: cls for cls in (BandedToeplitz,
+                                         BufferedLinearToeplitz)}
+
+
+def deserialize(description: Dict[str, Any]) -> ToeplitzStrategy:
   """A strategy from its `{'name': ..., 'config': ...}` description."""
-  if description.get('name') != BandedToeplitz.name:
+  cls = STRATEGIES.get(description.get('name'))
+  if cls is None:
     raise ValueError(f'unknown noise correlation {description!r}')
-  return BandedToeplitz(**description['config'])
+  return cls(**description['config'])
 
 
-def serialize(strategy: BandedToeplitz) -> Dict[str, Any]:
+def serialize(strategy: ToeplitzStrategy) -> Dict[str, Any]:
   return {'name': strategy.name, 'config': strategy.config}

@@ -108,6 +108,24 @@ def test_correlated_run_samples_cyclically_and_says_so():
   assert 'correlated across steps' in results['statement']
 
 
+def test_blt_run_is_accounted_on_shuffled_batches():
+  """Two buffers over 2 epochs of 3 shuffled steps: one Gaussian mechanism
+  of the BLT's once-per-epoch bound."""
+  results = train.run(TINY + ['--sampling=shuffle', '--noise_buffers=2',
+                              '--noise_multiplier=1.0', '--epochs=2'])
+  correlated = tfdpx.privatizers.correlated(
+      tfdpx.privatizers.gaussian(1.0, 1.0), tfdpx.correlation.blt(2, 6))
+  assert results['steps'] == 6
+  assert results['epsilon'] == pytest.approx(
+      tfdpx.accounting.epsilon_for_sampling(
+          correlated, sampling='shuffle', steps=6, steps_per_epoch=3,
+          delta=1e-5), rel=1e-12)
+  assert 'blt(buffers=2)' in results['statement']
+  with pytest.raises(ValueError, match='pass one'):
+    train.run(TINY + ['--noise_bands=2', '--noise_buffers=2',
+                      '--noise_multiplier=1.0'])
+
+
 def test_shuffled_run_calibrates_to_its_own_bound():
   results = train.run(TINY + ['--sampling=shuffle', '--target_epsilon=8',
                               '--epochs=2'])

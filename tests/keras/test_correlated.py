@@ -22,13 +22,14 @@ def _data():
   return x, (x[:, 0] > 0).astype('int32')
 
 
-def _model(noise_seed=None, noise_multiplier=0.8):
+def _model(noise_seed=None, noise_multiplier=0.8, strategy=None):
   tf.keras.utils.set_random_seed(0)
   model = tfdpx.keras.make_private(tf.keras.Sequential([
       tf.keras.Input((5,)), tf.keras.layers.Dense(4, activation='relu'),
       tf.keras.layers.Dense(2)]))
-  privatizer = privatizers.correlated(privatizers.gaussian(1.0, noise_multiplier),
-                                      correlation.banded_toeplitz(GROUPS, 40))
+  privatizer = privatizers.correlated(
+      privatizers.gaussian(1.0, noise_multiplier),
+      strategy or correlation.banded_toeplitz(GROUPS, 40))
   optimizer = tfdpx.keras.DPSGD(privatizer=privatizer,
                                 expected_batch_size=N * Q / GROUPS,
                                 learning_rate=0.2, noise_seed=noise_seed)
@@ -88,23 +89,26 @@ def test_no_checkpoint_or_saved_model_holds_the_history(tmp_path):
   assert not [v for v in optimizer_variables if 'secret' in v.name]
 
 
-def test_resuming_with_the_secret_checkpoint_continues_the_noise(tmp_path):
+@pytest.mark.parametrize('strategy', [None, correlation.blt(2, 40)],
+                         ids=['banded', 'blt'])
+def test_resuming_with_the_secret_checkpoint_continues_the_noise(
+    tmp_path, strategy):
   """Stopped after 4 steps and resumed in a new model and optimizer, from
   the model's checkpoint and the secret one, with the same noise keys (a
   known seed, its release counter set), the run ends where an uninterrupted
   run ends; without the secret checkpoint it does not. Every member of a
   group is sampled (q = 1), so that both runs see the same batches."""
-  whole = _model(noise_seed=5)
+  whole = _model(noise_seed=5, strategy=strategy)
   whole.fit(_batches(8, q=1.0), verbose=0)
 
   def resumed(restore_secret):
-    first = _model(noise_seed=5)
+    first = _model(noise_seed=5, strategy=strategy)
     first.fit(_batches(4, q=1.0), verbose=0)
     path = tf.train.Checkpoint(model=first, optimizer=first.optimizer).save(
         os.path.join(tmp_path, f'model{restore_secret}'))
     secret_path = first.optimizer.secret_checkpoint().save(
         os.path.join(tmp_path, f'secret{restore_secret}'))
-    second = _model(noise_seed=5)
+    second = _model(noise_seed=5, strategy=strategy)
     second.optimizer.create_variables(second.trainable_variables)
     tf.train.Checkpoint(model=second, optimizer=second.optimizer).restore(
         path).assert_existing_objects_matched()

@@ -164,12 +164,14 @@ def sparsified_case(case: Case, final_sparsity: float = 0.5) -> Case:
               needs_public=case.needs_public)
 
 
-def correlated_case(case: Case, bands: int = 3, wrapped: bool = True) -> Case:
-  """`case` with its noise correlated over `bands` steps: per step the same
-  sensitivity and noiseless result; the noise of step t has the inner std
-  times the norm of row t of `C^-1` (tests/privatizers/test_correlated.py
-  checks the covariance across steps)."""
-  strategy = tfdpx.correlation.banded_toeplitz(bands, 20)
+def correlated_case(case: Case, strategy=None, wrapped: bool = True) -> Case:
+  """`case` with its noise correlated by `strategy` (3 bands by default):
+  per step the same sensitivity and noiseless result; the noise of step t
+  has the inner std times the norm of row t of `C^-1`
+  (tests/privatizers/test_correlated.py checks the covariance across
+  steps)."""
+  strategy = strategy or tfdpx.correlation.banded_toeplitz(3, 20)
+  kind = '' if strategy.name == 'banded_toeplitz' else f'_{strategy.name}'
 
   def make(noise_multiplier, l2_norm_clip):
     return privatizers.correlated(case.make(noise_multiplier, l2_norm_clip),
@@ -182,13 +184,15 @@ def correlated_case(case: Case, bands: int = 3, wrapped: bool = True) -> Case:
     row = strategy.inverse_coefficients(step + 1)
     return std * float(np.linalg.norm(row))
 
-  return Case(f'correlated({case.name})', make, steps=case.steps,
+  return Case(f'correlated{kind}({case.name})', make, steps=case.steps,
               noiseless_expected=case.noiseless_expected,
               sensitivity=case.sensitivity, noise_std=noise_std,
               needs_public=case.needs_public, wrapped=wrapped)
 
 
 CASES += [correlated_case(CASES[0]),
+          correlated_case(CASES[0], tfdpx.correlation.blt(2, 20),
+                          wrapped=False),
           correlated_case(case_named('dpdr'), wrapped=False)]
 
 from tests.privatizers.d2p2_cases import D2P2_CASES  # pylint: disable=g-import-not-at-top

@@ -222,11 +222,13 @@ def test_virtual_batches_release_what_the_whole_batch_releases(case):
 
 def test_accountant_accepts_the_events(case):
   privatizer = case.make(1.0, 1.0)
-  sampling = {'sampling': 'poisson'}
-  if privatizer.correlation is not None:  # Amplified by cyclic sampling only.
-    sampling = {'sampling': 'cyclic_poisson',
-                'groups': privatizer.correlation.bands}
+  sampling = {'sampling': 'poisson', 'sampling_probability': 0.01}
+  strategy = privatizer.correlation
+  if strategy is not None:  # Banded: amplified by cyclic sampling only.
+    sampling = ({'sampling': 'shuffle', 'steps_per_epoch': 10}
+                if getattr(strategy, 'bands', None) is None else
+                {'sampling': 'cyclic_poisson', 'groups': strategy.bands,
+                 'sampling_probability': 0.01})
   eps = tfdpx.accounting.epsilon_for_sampling(
-      privatizer, steps=max(case.steps) + 20, sampling_probability=0.01,
-      delta=1e-5, **sampling)
+      privatizer, steps=max(case.steps) + 20, delta=1e-5, **sampling)
   assert 0 < eps < math.inf

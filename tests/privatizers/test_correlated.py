@@ -31,12 +31,15 @@ def _noises(privatizer, steps, seed=7, state=None, first=0):
   return np.array(out), state
 
 
-def test_noise_covariance_across_steps_is_that_of_the_strategy():
+@pytest.mark.parametrize('strategy', [
+    correlation.banded_toeplitz(3, 20),
+    correlation.BufferedLinearToeplitz([0.8, 0.3], [0.5, 0.3])],
+                         ids=['banded', 'blt'])
+def test_noise_covariance_across_steps_is_that_of_the_strategy(strategy):
   """Two-sided: each coordinate's noise over 6 steps has covariance
   `(sigma C)^2 C^-1 C^-T`; the independent noise of DP-SGD, and the
   covariance of a strategy with other coefficients, are rejected."""
   noise_multiplier, l2_norm_clip, steps = 1.2, 0.5, 6
-  strategy = correlation.banded_toeplitz(3, 20)
   privatizer = privatizers.correlated(
       privatizers.gaussian(l2_norm_clip, noise_multiplier), strategy)
   noises, _ = _noises(privatizer, steps)
@@ -63,8 +66,12 @@ def test_resuming_from_the_state_continues_the_same_noise():
   """A run stopped after 3 steps and resumed from its state (as a
   checkpoint restores the optimizer's variables) releases what one
   uninterrupted run releases with the same keys."""
-  privatizer = privatizers.correlated(privatizers.gaussian(1.0, 1.0),
-                                      correlation.banded_toeplitz(4, 20))
+  for strategy in (correlation.banded_toeplitz(4, 20), correlation.blt(2, 20)):
+    _check_resume(privatizers.correlated(privatizers.gaussian(1.0, 1.0),
+                                         strategy))
+
+
+def _check_resume(privatizer):
   whole, _ = _noises(privatizer, 7)
   first, state = _noises(privatizer, 3)
   saved = tf.nest.map_structure(lambda t: tf.constant(np.asarray(t)), state)

@@ -16,17 +16,19 @@ class Correlated(core.Wrapper):
   Every Gaussian release of `inner`'s step (its `gaussian_release_shapes`:
   DP-SGD's sum, DPDR's two parts, under random sparsification, adaptive or
   per-layer clipping) gets row t of `C^-1 Z` in place of fresh noise, `C` the
-  banded Toeplitz `strategy` (`tfdpx.correlation`) and `Z` independent draws
-  with the release's own std. The noise is computed online from the last
-  `bands - 1` noises of each release, kept in the state (`noise_history`):
-  `bands - 1` copies of the noised coordinates. The history is as secret as
-  the noise key (whoever reads it can remove part of the noise of the last
-  `bands - 1` steps): a tfdpx optimizer keeps it in variables that no
+  `strategy` (`tfdpx.correlation`: banded Toeplitz or BLT) and `Z`
+  independent draws with the release's own std. The noise is computed online
+  from a history of each release kept in the state (`noise_history`): the
+  last `bands - 1` noises (banded) or `buffers` decaying sums of them (BLT),
+  that many copies of the noised coordinates (`strategy.history_length`).
+  The history is as secret as the noise key (whoever reads it can remove
+  part of the noise of earlier steps): a tfdpx optimizer keeps it in
+  variables that no
   checkpoint, saved model or log holds, and saves it only where asked to
   (`secret_checkpoint()`, for a resume that continues the correlation). A
   run resumed without it restarts the correlation, which is as private:
-  the strategy becomes block diagonal, its columns still of norm at most 1
-  and `bands` rows long at most.
+  the strategy becomes block diagonal, its columns no longer than before and
+  of norm at most 1.
 
   Privacy:
     What is clipped, to which norm, is `inner`'s. Each step's releases are
@@ -38,8 +40,9 @@ class Correlated(core.Wrapper):
     `sampling='cyclic_poisson'` with `groups >= bands` is amplified banded
     matrix factorization (Choquette-Choo et al. 2023): each example's steps
     are `groups` apart and Poisson-sampled within its group, so the run costs
-    the group's Poisson-sampled events; `sampling='shuffle'` (one step per
-    epoch at any position) is one Gaussian mechanism whose sensitivity is
+    the group's Poisson-sampled events (banded strategies only: a BLT's
+    columns never end); `sampling='shuffle'` (one step per epoch at any
+    position) is one Gaussian mechanism whose sensitivity is
     `strategy.once_per_epoch_sensitivity`; plain Poisson sampling, where one
     example can be in consecutive steps, is refused. Add/remove-one-example
     adjacency.
@@ -47,17 +50,20 @@ class Correlated(core.Wrapper):
   References:
     Choquette-Choo et al., "(Amplified) Banded Matrix Factorization: A unified
     approach to private training", NeurIPS 2023.
+    Dvijotham et al., "Efficient and Near-Optimal Noise Generation for
+    Streaming Differential Privacy", FOCS 2024 (BLT).
   """
 
   name = 'correlated'
 
   def __init__(self, inner: Union[core.Privatizer, Dict[str, Any]],
-               strategy: Union[correlation.BandedToeplitz, Dict[str, Any]]):
+               strategy: Union[correlation.ToeplitzStrategy, Dict[str, Any]]):
     """Args:
       inner: the noise step whose Gaussian noise is correlated (or its
         serialized form).
-      strategy: a `tfdpx.correlation.BandedToeplitz` (or its serialized
-        form), e.g. `tfdpx.correlation.banded_toeplitz(bands, steps)`.
+      strategy: a `tfdpx.correlation` strategy (or its serialized form),
+        e.g. `tfdpx.correlation.banded_toeplitz(bands, steps)` or
+        `tfdpx.correlation.blt(buffers, steps)`.
 
     Raises:
       ValueError: naming the argument, for a strategy that is not one, an
@@ -68,7 +74,7 @@ class Correlated(core.Wrapper):
     self._set_inner(inner)
     if isinstance(strategy, dict):
       strategy = correlation.deserialize(strategy)
-    if not isinstance(strategy, correlation.BandedToeplitz):
+    if not isinstance(strategy, correlation.ToeplitzStrategy):
       raise ValueError(
           f'strategy must be a tfdpx.correlation strategy, got {strategy!r}')
     if self.inner.correlation is not None:
@@ -87,11 +93,11 @@ class Correlated(core.Wrapper):
             'strategy': correlation.serialize(self._strategy)}
 
   @property
-  def correlation(self) -> correlation.BandedToeplitz:
+  def correlation(self) -> correlation.ToeplitzStrategy:
     return self._strategy
 
   def init(self, params):
-    history = self._strategy.bands - 1
+    history = self._strategy.history_length
     return {
         'inner': self.inner.init(params),
         core.SECRET_STATE_KEY: [
@@ -135,7 +141,7 @@ class Correlated(core.Wrapper):
 
 
 def correlated(inner: core.Privatizer,
-               strategy: correlation.BandedToeplitz) -> Correlated:
+               strategy: correlation.ToeplitzStrategy) -> Correlated:
   """`inner` with noise correlated across steps by `strategy`; see
   `Correlated`."""
   return Correlated(inner, strategy)
