@@ -7,9 +7,12 @@ under cyclic Poisson sampling over `b` groups (the group's sampling
 probability is `b` times DP-SGD's, each example in a `b`-th of the steps),
 and prints the root mean squared noise of the prefix sums (SGD's trajectory)
 relative to DP-SGD's: `z_b * error_b / (z_1 * error_1)`, below 1 where the
-strategy's cancellation outweighs the weaker amplification. The settings
-include those of the utility table (docs/correlated_noise.md) and, for
-comparison, settings like the papers' (many steps, larger epsilon).
+strategy's cancellation outweighs the weaker amplification. The last
+column is a BLT of 2 buffers on shuffled batches (`ceil(n / B)` steps an
+epoch), which no sampling amplifies: one Gaussian mechanism of its
+once-per-epoch sensitivity. The settings include those of the utility table
+(docs/correlated_noise.md) and, for comparison, settings like the papers'
+(many steps, larger epsilon, a single epoch).
 
 Usage: python -m benchmarks.correlated_error [--out=FILE]
 """
@@ -40,7 +43,10 @@ SETTINGS = [
     (3200, 64, 30, 8.0),
     (50000, 256, 20, 1.0),
     (50000, 500, 100, 8.0),
+    (50000, 256, 1, 3.0),
+    (50000, 256, 1, 8.0),
 ]
+BUFFERS = 2
 
 
 def row(n, batch, epochs, epsilon):
@@ -64,6 +70,12 @@ def row(n, batch, epochs, epsilon):
         sampling_probability=bands * batch / n, groups=bands)
     error = z_b * banded.correlation.prefix_sum_error(steps) / reference
     cells.append(f'{error:.3f} (z {z_b:.2f})')
+  blt = privatizers.correlated(gaussian, correlation.blt(BUFFERS, steps))
+  z_blt = accounting.calibrate_noise_multiplier(
+      epsilon, blt, steps=steps, delta=DELTA,
+      steps_per_epoch=math.ceil(n / batch))
+  error = z_blt * blt.correlation.prefix_sum_error(steps) / reference
+  cells.append(f'{error:.3f} (z {z_blt:.2f})')
   return (f'| {n} | {batch} | {epochs} | {steps} | {epsilon:g} | {z:.2f} | ' +
           ' | '.join(cells) + ' |')
 
@@ -72,8 +84,8 @@ def main(argv):
   del argv
   lines = [
       '| n | B | epochs | steps | ε | DP-SGD z | ' +
-      ' | '.join(f'b = {b}' for b in BANDS) + ' |',
-      '|' + '---:|' * (6 + len(BANDS)),
+      ' | '.join(f'b = {b}' for b in BANDS) + f' | BLT, {BUFFERS} buffers |',
+      '|' + '---:|' * (7 + len(BANDS)),
   ]
   for setting in SETTINGS:
     lines.append(row(*setting))

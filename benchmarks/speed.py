@@ -164,6 +164,10 @@ PRIVATIZERS = {
     'correlated': lambda: privatizers.correlated(
         privatizers.gaussian(1.0, 1.0),
         tfdpx.correlation.banded_toeplitz(8, 1000)),
+    # DP-SGD's noise correlated by a BLT of 2 buffers: 2 noise-sized sums
+    # kept, read and rewritten every step.
+    'blt': lambda: privatizers.correlated(
+        privatizers.gaussian(1.0, 1.0), tfdpx.correlation.blt(2, 1000)),
     'd2p2': lambda: privatizers.d2p2(1.0),
     'gep': lambda: privatizers.gep(50, 1.0, 1.0, 1.0),
     # GEP keeping its basis for 10 steps (loses accuracy: docs/gep.md).
