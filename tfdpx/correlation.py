@@ -208,13 +208,11 @@ class BandedToeplitz(ToeplitzStrategy):
       assigning a variable the tensor of another shares its buffer, while a
       stacked shift copies `bands - 1` copies of the coordinates every step.
     """
-    noise, new_history = [], []
-    for z, past in zip(draws, history):
-      c = tf.constant(self._coefficients, z.dtype)
-      w = _banded_noise(z, list(past), c) if past else z / c[0]
-      noise.append(w)
-      new_history.append(([w] + list(past))[:len(past)])
-    return noise, new_history
+    if self.bands == 1:
+      return [z / self._coefficients[0] for z in draws], [[] for _ in draws]
+    noise = _banded_noise(list(draws), [list(past) for past in history],
+                          tf.constant(self._coefficients, draws[0].dtype))
+    return noise, [[w] + list(past[:-1]) for w, past in zip(noise, history)]
 
   def once_per_epoch_sensitivity(self, steps: int,
                                  steps_per_epoch: int) -> float:
@@ -353,19 +351,24 @@ def banded_toeplitz(bands: int, steps: int) -> BandedToeplitz:
 # and the history, which TensorFlow's kernels run as one pass over memory
 # each (about 30 passes of the noise's size for 8 bands): XLA fuses them into
 # one (e.g. 10.3 -> 4 ms a step for the 1.3 million coordinates of the text
-# model, 8 bands, AMD EPYC).
+# model, 8 bands, AMD EPYC), in one launch for every part of a release.
 @tf.function(jit_compile=True)
-def _banded_noise(z, past, coefficients):
-  """`(z - sum_j c_j past[j - 1]) / c_0`."""
-  earlier = tf.add_n([coefficients[j + 1] * w for j, w in enumerate(past)])
-  return (z - earlier) / coefficients[0]
+def _banded_noise(draws, history, coefficients):
+  """Per part, `(z - sum_j c_j w_{t-j}) / c_0`."""
+  return [(z - tf.add_n([coefficients[j + 1] * w for j, w in enumerate(past)]))
+          / coefficients[0] for z, past in zip(draws, history)]
 
 
 @tf.function(jit_compile=True)
-def _blt_noise(z, buffers, decays, output_scales, norm):
-  """BLT's noise `norm * v` and new buffers, `v = z - sum_i w_i s_i`."""
-  v = z - tf.add_n([output_scales[i] * s for i, s in enumerate(buffers)])
-  return v * norm, [decays[i] * s + v for i, s in enumerate(buffers)]
+def _blt_noise(draws, history, decays, output_scales, norm):
+  """Per part, BLT's noise `norm * v` and new buffers `theta_i s_i + v`,
+  `v = z - sum_i w_i s_i`."""
+  noise, new_history = [], []
+  for z, buffers in zip(draws, history):
+    v = z - tf.add_n([output_scales[i] * s for i, s in enumerate(buffers)])
+    noise.append(v * norm)
+    new_history.append([decays[i] * s + v for i, s in enumerate(buffers)])
+  return noise, new_history
 
 
 class BufferedLinearToeplitz(ToeplitzStrategy):
@@ -472,15 +475,11 @@ class BufferedLinearToeplitz(ToeplitzStrategy):
       unnormalized `C^-1` applied to the draws), the noise `norm * v_t` and
       the buffers `theta_i s_i + v_t`.
     """
-    noise, new_history = [], []
-    for z, buffers in zip(draws, history):
-      w, buffers = _blt_noise(
-          z, list(buffers), tf.constant(self._decays, z.dtype),
-          tf.constant(self._output_scales, z.dtype),
-          tf.constant(self._norm, z.dtype))
-      noise.append(w)
-      new_history.append(buffers)
-    return noise, new_history
+    dtype = draws[0].dtype
+    return _blt_noise(list(draws), [list(buffers) for buffers in history],
+                      tf.constant(self._decays, dtype),
+                      tf.constant(self._output_scales, dtype),
+                      tf.constant(self._norm, dtype))
 
   def once_per_epoch_sensitivity(self, steps: int,
                                  steps_per_epoch: int) -> float:
