@@ -12,8 +12,10 @@ calibrated to each target epsilon by the accountant), then:
 2. **reports** test accuracy, mean and standard deviation over every seed
    of `seeds`, at the chosen setting, with the epsilon each run really has.
 
-It writes `<out_dir>/<name>.jsonl` (one line per run, tuning runs included)
-and `<out_dir>/<name>.md` (the table the docs page shows, with the command).
+It writes `<out_dir>/<name>.jsonl` (one line per run as it ends, tuning runs
+included) and `<out_dir>/<name>.md` (the table the docs page shows, with the
+command). `--epsilons=8,3` runs only those epsilons of the config, in that
+order; `--table_only` writes the table of the records a run cut short left.
 
 A config is a JSON object:
 
@@ -95,9 +97,10 @@ def _run(flags, seed, epsilon, validation_examples):
           'seconds': result['seconds']}
 
 
-def run(config, log=print):
-  """Tunes and reports every (method, epsilon) of `config`: the records."""
-  records = []
+def run(config, log=print, keep=lambda record: None):
+  """Tunes and reports every (method, epsilon) of `config`: the records,
+  each also passed to `keep` as soon as its run ends."""
+  records = _KeptList(keep)
   for epsilon, (name, method) in itertools.product(
       config['epsilons'], config['methods'].items()):
     flags = config['flags'] + method['flags']
@@ -125,6 +128,18 @@ def run(config, log=print):
   return records
 
 
+class _KeptList(list):
+  """A list that hands every appended record to `keep`."""
+
+  def __init__(self, keep):
+    super().__init__()
+    self._keep = keep
+
+  def append(self, record):
+    super().append(record)
+    self._keep(record)
+
+
 def _note(method, group):
   """A method's note, and the rows it selected a step where it selects."""
   note = method.get('note', '')
@@ -134,6 +149,10 @@ def _note(method, group):
     note += (f'{"; " if note else ""}{statistics.mean(selected):.0f} rows '
              'selected a step')
   return note
+
+
+def _stdev(values):
+  return f'{statistics.stdev(values):.4f}' if len(values) > 1 else '-'
 
 
 def table(config, records, command):
@@ -156,7 +175,7 @@ def table(config, records, command):
         f'| {name} | {"-" if target is None else f"{target:g}"} | '
         f'{epsilon} | {" ".join(group[0]["setting"]) or "-"} | '
         f'{statistics.mean(validation):.4f} | '
-        f'{statistics.mean(test):.4f} ± {statistics.stdev(test):.4f} | '
+        f'{statistics.mean(test):.4f} ± {_stdev(test)} | '
         f'{len(group)} | {_note(config["methods"][name], group)} |')
   return '\n'.join(lines)
 
@@ -165,16 +184,38 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('config', help='benchmarks/configs/<name>.json')
   parser.add_argument('--out_dir', default='out/utility')
+  parser.add_argument('--epsilons', type=lambda v: [float(e) for e in
+                                                    v.split(',')],
+                      help='only these of the config\'s epsilons, in this '
+                      'order, e.g. 8,3')
+  parser.add_argument('--table_only', action='store_true',
+                      help='the table of the records already in '
+                      '<out_dir>/<name>.jsonl (of a run cut short), no run')
   args = parser.parse_args(argv)
   config = load(args.config)
+  command = f'`python -m benchmarks.utility {args.config}`'
+  if args.epsilons:
+    unknown = set(args.epsilons) - set(config['epsilons'])
+    if unknown:
+      raise ValueError(f'--epsilons: {sorted(unknown)} not in the config\'s '
+                       f'{config["epsilons"]}')
+    config['epsilons'] = args.epsilons
+    command = command[:-1] + f' --epsilons={",".join(map(str, args.epsilons))}`'
   name = os.path.splitext(os.path.basename(args.config))[0]
   os.makedirs(args.out_dir, exist_ok=True)
-  records = run(config)
-  with open(os.path.join(args.out_dir, f'{name}.jsonl'), 'w') as f:
-    for record in records:
-      f.write(json.dumps({'config': name, **record}) + '\n')
-  markdown = table(config, records,
-                   f'`python -m benchmarks.utility {args.config}`')
+  path = os.path.join(args.out_dir, f'{name}.jsonl')
+  if args.table_only:
+    with open(path) as f:
+      records = [json.loads(line) for line in f]
+  else:
+    with open(path, 'w') as f:  # Each record as its run ends.
+
+      def keep(record):
+        f.write(json.dumps({'config': name, **record}) + '\n')
+        f.flush()
+
+      records = run(config, keep=keep)
+  markdown = table(config, records, command)
   with open(os.path.join(args.out_dir, f'{name}.md'), 'w') as f:
     f.write(markdown + '\n')
   print(markdown)

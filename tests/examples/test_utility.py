@@ -72,3 +72,32 @@ def test_every_shipped_config_loads(name):
   config = utility.load(os.path.join(CONFIGS, name))
   assert os.path.exists(os.path.join(os.path.dirname(CONFIGS), '..',
                                      config['doc']))
+
+
+def test_records_are_kept_as_runs_end_and_epsilons_can_be_chosen(
+    monkeypatch, tmp_path):
+  """`--epsilons` runs those epsilons in that order; every record is in the
+  jsonl as soon as its run ends, so `--table_only` tables a run cut short."""
+  config = _config(epsilons=[1.0, 3.0, 8.0],
+                   methods={'A': {'flags': ['--privatizer=gaussian']}})
+  path = tmp_path / 'c.json'
+  path.write_text(json.dumps(config))
+  calls = []
+  fake = _fake_run(calls)
+
+  def cut_short(argv):
+    if len(calls) == 5:  # 3 tuning runs and 2 seeds of epsilon 8.
+      raise KeyboardInterrupt
+    return fake(argv)
+
+  monkeypatch.setattr(train, 'run', cut_short)
+  with pytest.raises(KeyboardInterrupt):
+    utility.main([str(path), f'--out_dir={tmp_path}', '--epsilons=8,3'])
+  assert all('--target_epsilon=8.0' in argv for argv in calls)
+  lines = (tmp_path / 'c.jsonl').read_text().splitlines()
+  assert len(lines) == 5
+  utility.main([str(path), f'--out_dir={tmp_path}', '--table_only'])
+  table = (tmp_path / 'c.md').read_text()
+  assert '| A | 8 | 2.990 | --learning_rate=1.0 | 0.9000 | 0.7050 ± 0.0071 | 2 |' in table
+  with pytest.raises(ValueError, match='--epsilons'):
+    utility.main([str(path), f'--out_dir={tmp_path}', '--epsilons=2'])
