@@ -233,7 +233,7 @@ def _refuse_correlation_under_poisson(source):
 
 def _correlated_sampling_advice(strategy):
   shuffle = "account shuffled batches with sampling='shuffle'."
-  if getattr(strategy, 'bands', None) is None:  # Columns that never end.
+  if strategy.bands is None:  # Columns that never end.
     return shuffle[0].upper() + shuffle[1:]
   return ('Train on cyclic Poisson batches (tfdpx.sampling.'
           f'cyclic_poisson_batches, groups >= {strategy.bands}) and account '
@@ -392,7 +392,7 @@ def epsilon_cyclic_poisson(
   groups = _checked_groups(groups)
   _refuse_microbatches_under_poisson(source)
   strategy = _correlation_of(source)
-  if strategy is not None and getattr(strategy, 'bands', None) is None:
+  if strategy is not None and strategy.bands is None:
     raise ValueError(
         f"sampling='cyclic_poisson': {strategy!r} is not banded, its noise "
         'is correlated with every later step, so no separation of an '

@@ -87,6 +87,11 @@ class ToeplitzStrategy:
     raise NotImplementedError
 
   @property
+  def bands(self):
+    """The number of nonzero diagonals; None if every column is full."""
+    raise NotImplementedError
+
+  @property
   def config(self) -> Dict[str, Any]:
     raise NotImplementedError
 
@@ -428,6 +433,11 @@ class BufferedLinearToeplitz(ToeplitzStrategy):
   def buffers(self) -> int:
     """The number of buffers `d`: a step keeps `d` sums of past noise."""
     return len(self._decays)
+
+  @property
+  def bands(self) -> None:
+    """None: not banded, every column reaches the run's last step."""
+    return None
 
   @property
   def history_length(self) -> int:

@@ -226,7 +226,7 @@ def test_accountant_accepts_the_events(case):
   strategy = privatizer.correlation
   if strategy is not None:  # Banded: amplified by cyclic sampling only.
     sampling = ({'sampling': 'shuffle', 'steps_per_epoch': 10}
-                if getattr(strategy, 'bands', None) is None else
+                if strategy.bands is None else
                 {'sampling': 'cyclic_poisson', 'groups': strategy.bands,
                  'sampling_probability': 0.01})
   eps = tfdpx.accounting.epsilon_for_sampling(
