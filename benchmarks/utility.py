@@ -100,7 +100,12 @@ def _run(flags, seed, epsilon, validation_examples):
 def run(config, log=print, keep=lambda record: None):
   """Tunes and reports every (method, epsilon) of `config`: the records,
   each also passed to `keep` as soon as its run ends."""
-  records = _KeptList(keep)
+  records = []
+
+  def add(record):
+    records.append(record)
+    keep(record)
+
   for epsilon, (name, method) in itertools.product(
       config['epsilons'], config['methods'].items()):
     flags = config['flags'] + method['flags']
@@ -111,33 +116,19 @@ def run(config, log=print, keep=lambda record: None):
       # On the validation split, with the first seed.
       record = _run(flags + setting, config['seeds'][0], target,
                     config['validation_examples'])
-      records.append({'phase': 'tune', 'method': name,
-                      'target_epsilon': target, 'setting': setting,
-                      'seed': config['seeds'][0], **record})
+      add({'phase': 'tune', 'method': name, 'target_epsilon': target,
+           'setting': setting, 'seed': config['seeds'][0], **record})
       log(f'  tune {name} eps={target} {" ".join(setting)}: validation '
           f'{record["validation_accuracy"]:.4f}')
       if record['validation_accuracy'] > best_accuracy:
         best, best_accuracy = setting, record['validation_accuracy']
     for seed in config['seeds']:
       record = _run(flags + best, seed, target, config['validation_examples'])
-      records.append({'phase': 'report', 'method': name,
-                      'target_epsilon': target, 'setting': best,
-                      'seed': seed, **record})
+      add({'phase': 'report', 'method': name, 'target_epsilon': target,
+           'setting': best, 'seed': seed, **record})
       log(f'  {name} eps={target} seed {seed}: test '
           f'{record["test_accuracy"]:.4f}')
   return records
-
-
-class _KeptList(list):
-  """A list that hands every appended record to `keep`."""
-
-  def __init__(self, keep):
-    super().__init__()
-    self._keep = keep
-
-  def append(self, record):
-    super().append(record)
-    self._keep(record)
 
 
 def _note(method, group):
