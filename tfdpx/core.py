@@ -172,19 +172,26 @@ class Privatizer(abc.ABC):
     """Effective noise multiplier of a whole step (one meaning everywhere)."""
     return self.config['noise_multiplier']
 
+  @property
+  def has_gaussian_releases(self) -> bool:
+    """Whether every step's noise is a fixed set of Gaussian releases
+    (`gaussian_release_shapes`), which correlated noise across steps
+    (`tfdpx.privatizers.correlated`) can take. False (the default) where it
+    is not (a projection per step, noise on angles, rows selected per
+    step): correlated noise refuses it."""
+    return False
+
   def gaussian_release_shapes(
-      self, params: Sequence[tf.Variable]) -> Optional[List[List[tf.TensorShape]]]:
+      self, params: Sequence[tf.Variable]) -> List[List[tf.TensorShape]]:
     """The shapes of the step's Gaussian releases (`noise.add_gaussian`).
 
     One list of shapes per release, in the order a step draws them, for the
     trainable variables `params`; a step must draw exactly these at every
-    step. Correlated noise across steps (`tfdpx.privatizers.correlated`)
-    keeps the last noises of each. None (the default) where the noise is not
-    such a fixed set of releases (a projection per step, noise on angles,
-    rows selected per step): correlated noise refuses it.
+    step. Correlated noise across steps keeps the last noises of each.
+    Defined where `has_gaussian_releases`.
     """
-    del params
-    return None
+    raise NotImplementedError(
+        f'{self.name} does not release a fixed set of Gaussian sums')
 
   @property
   def correlation(self):
@@ -267,6 +274,10 @@ class Wrapper(Privatizer):
   @property
   def noise_multiplier(self) -> float:
     return self._inner.noise_multiplier
+
+  @property
+  def has_gaussian_releases(self) -> bool:
+    return self._inner.has_gaussian_releases
 
   def gaussian_release_shapes(self, params):
     """`inner`'s: a wrapper changes what is clipped and how the release is

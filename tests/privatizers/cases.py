@@ -193,7 +193,9 @@ def correlated_case(case: Case, strategy=None, wrapped: bool = True) -> Case:
 CASES += [correlated_case(CASES[0]),
           correlated_case(CASES[0], tfdpx.correlation.blt(2, 20),
                           wrapped=False),
-          correlated_case(case_named('dpdr'), wrapped=False)]
+          correlated_case(case_named('dpdr'), wrapped=False),
+          # Both releases correlated, step 2 on the basis kept from step 0.
+          correlated_case(case_named('gep_refresh'), wrapped=False)]
 
 from tests.privatizers.d2p2_cases import D2P2_CASES  # pylint: disable=g-import-not-at-top
 CASES += D2P2_CASES

@@ -44,15 +44,9 @@ def test_noise_covariance_across_steps_is_that_of_the_strategy(strategy):
       privatizers.gaussian(l2_norm_clip, noise_multiplier), strategy)
   noises, _ = _noises(privatizer, steps)
   std = noise_multiplier * l2_norm_clip
-  n = noises.shape[1]
 
   def matches(covariance):
-    """Whitened by `covariance`, the steps' noises must be independent
-    N(0, 1): their pooled std and every cross-step correlation."""
-    white = np.linalg.solve(np.linalg.cholesky(covariance), noises / std)
-    cross = (white @ white.T / n)[~np.eye(steps, dtype=bool)]
-    return (stats.std_matches(white, 1.0) and
-            np.all(np.abs(cross) < stats.Z / math.sqrt(n)))
+    return _covariance_matches(noises / std, covariance)
   expected = strategy.noise_covariance(steps)
   assert matches(expected)
   assert not matches(np.eye(steps))
@@ -93,6 +87,66 @@ def test_dpdr_keeps_a_history_for_each_release():
   assert np.any(state['noise_history'][1][0][0].numpy() != 0)
 
 
+def test_gep_correlates_both_releases_on_a_kept_basis():
+  """Two-sided, as for DP-SGD: GEP's residual noise and its lifted embedding
+  noise (a basis kept over the run, spanned by the anchors e_0..e_1999) each
+  have covariance across steps `std^2 C^-1 C^-T`, at their own std; the
+  history holds both releases at their declared shapes."""
+  size, k, steps, s1, s2, z = 4000, 2000, 6, 1.0, 0.5, 1.1
+  strategy = correlation.banded_toeplitz(3, 20)
+  privatizer = privatizers.correlated(
+      privatizers.gep(k, s1, s2, z, num_groups=1, basis_refresh_steps=steps),
+      strategy)
+  state = privatizer.init([tf.Variable(tf.zeros([size]))])
+  embedding, residual = state['noise_history']
+  assert [[w.shape for w in h] for h in embedding] == [[(k,), (k,)]]
+  assert [[w.shape for w in h] for h in residual] == [[(size,), (size,)]]
+  anchors = [tf.eye(k, size)]
+  noises = []
+  for step in range(steps):
+    noisy, state = privatizer.update(
+        [tf.zeros([3, size])], state, tf.constant([5, step], tf.int64),
+        public_grads=anchors)
+    noises.append(noisy[0].numpy())
+  noises = np.array(noises)
+  sigma = 2**0.5 * z  # Each part's multiplier (the default split).
+  expected = strategy.noise_covariance(steps)
+  # In the anchors' span: residual plus embedding noise; outside: residual.
+  for part, std in ((noises[:, :k], math.hypot(sigma * s1, sigma * s2)),
+                    (noises[:, k:], sigma * s2)):
+    assert _covariance_matches(part / std, expected)
+    assert not _covariance_matches(part / std, np.eye(steps))
+    assert not _covariance_matches(part / std, expected * 1.15)
+    assert not _covariance_matches(part / std, expected / 1.15)
+
+
+def _covariance_matches(noises, covariance):
+  """Whitened by `covariance`, the steps' noises (`[steps, n]`) are
+  independent N(0, 1): their pooled std and every cross-step correlation."""
+  steps, n = noises.shape
+  white = np.linalg.solve(np.linalg.cholesky(covariance), noises)
+  cross = (white @ white.T / n)[~np.eye(steps, dtype=bool)]
+  return (stats.std_matches(white, 1.0) and
+          np.all(np.abs(cross) < stats.Z / math.sqrt(n)))
+
+
+def test_gep_pads_an_embedding_clamped_to_its_anchors():
+  """With fewer anchors than basis vectors GEP releases a shorter embedding;
+  its correlated release is padded to the declared size and runs."""
+  privatizer = privatizers.correlated(
+      privatizers.gep(8, 1.0, 1.0, 1.0, num_groups=1, biased=True),
+      correlation.blt(2, 20))
+  state = privatizer.init([tf.Variable(tf.zeros([50]))])
+  for step in range(2):
+    with pytest.warns(UserWarning, match='clamped'):
+      noisy, state = privatizer.update(
+          [tf.ones([3, 50])], state, tf.constant([1, step], tf.int64),
+          public_grads=[tf.random.normal([3, 50], seed=step)])
+  (history,), = state['noise_history']
+  assert [h.shape for h in history] == [(8,), (8,)]
+  assert np.all(np.isfinite(noisy[0].numpy()))
+
+
 def test_history_is_not_logged():
   privatizer = privatizers.correlated(
       privatizers.adaptive_clipping(privatizers.gaussian(1.0, 1.0),
@@ -105,6 +159,8 @@ def test_history_is_not_logged():
 @pytest.mark.parametrize('inner,reason', [
     (privatizers.d2p2(1.0, projection_ratio=0.5), 'd2p2 does not release'),
     (privatizers.geodp(1.0, 1.0), 'geodp does not release'),
+    (privatizers.sparse_embeddings(privatizers.gaussian(1.0, 1.0)),
+     'sparse_embeddings'),
     (privatizers.correlated(privatizers.gaussian(1.0, 1.0),
                             correlation.banded_toeplitz(2, 10)),
      'already correlated'),

@@ -14,8 +14,8 @@ class Correlated(core.Wrapper):
   """`inner` with its Gaussian noise correlated across steps by a strategy.
 
   Every Gaussian release of `inner`'s step (its `gaussian_release_shapes`:
-  DP-SGD's sum, DPDR's two parts, under random sparsification, adaptive or
-  per-layer clipping) gets row t of `C^-1 Z` in place of fresh noise, `C` the
+  DP-SGD's sum, DPDR's and GEP's two parts, under random sparsification,
+  adaptive or per-layer clipping) gets row t of `C^-1 Z` in place of fresh noise, `C` the
   `strategy` (`tfdpx.correlation`: banded Toeplitz or BLT) and `Z`
   independent draws with the release's own std. The noise is computed online
   from a history of each release kept in the state (`noise_history`): the
@@ -79,11 +79,11 @@ class Correlated(core.Wrapper):
           f'strategy must be a tfdpx.correlation strategy, got {strategy!r}')
     if self.inner.correlation is not None:
       raise ValueError(f'inner: {self.inner!r} is already correlated')
-    if self.inner.gaussian_release_shapes([tf.TensorSpec([1])]) is None:
+    if not self.inner.has_gaussian_releases:
       raise ValueError(
           f'inner: {self.inner.name} does not release the clipped sum plus '
           'Gaussian noise of a fixed shape at every step, so its noise cannot '
-          'be correlated across steps (supported: gaussian, dpdr, and '
+          'be correlated across steps (supported: gaussian, dpdr, gep, and '
           'sparsified, adaptive or per-layer clipping around them)')
     self._strategy = strategy
 

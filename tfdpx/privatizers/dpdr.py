@@ -296,6 +296,10 @@ class DPDR(core.Privatizer):
         'blocks': tf.constant(_block_ids(params, self._granularity), tf.int32),
     }
 
+  @property
+  def has_gaussian_releases(self) -> bool:
+    return True
+
   def gaussian_release_shapes(self, params):
     """The sum of the orthogonal parts (of the gradients at DP-SGD steps),
     then the alpha sums, one per block, released at every step."""

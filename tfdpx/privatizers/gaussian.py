@@ -46,6 +46,10 @@ class Gaussian(core.Privatizer):
   def reference_l2_norm_clip(self):
     return self._l2_norm_clip
 
+  @property
+  def has_gaussian_releases(self) -> bool:
+    return True
+
   def gaussian_release_shapes(self, params):
     return [[tf.TensorShape(p.shape) for p in params]]
 

@@ -973,6 +973,24 @@ class GEP(core.Privatizer):
             for group, k in zip(segments, ks)],
         'grams': [tf.zeros([k, k]) for k in ks]}
 
+  @property
+  def has_gaussian_releases(self) -> bool:
+    return True
+
+  def gaussian_release_shapes(self, params):
+    """The embedding sums, one `[k_j]` per group at the unclamped `k_j` (an
+    embedding clamped to fewer anchors is released padded with zeros, which
+    its basis's missing columns lift to nothing), then for GEP the residual
+    sums, one flat `[p_j]` per group."""
+    sizes = [sum(stop - start for _, start, stop in group)
+             for group in self._segments([tf.TensorShape(p.shape)
+                                          for p in params])]
+    releases = [[tf.TensorShape([k])
+                 for k in allocate_bases(sizes, self._num_bases)]]
+    if not self._biased:
+      releases.append([tf.TensorShape([size]) for size in sizes])
+    return releases
+
   def prepare(self, state, seed, per_example_grads, public_grads):
     """The groups and each group's subspace, from public data only: this
     step's, or on steps between refreshes the state's."""
@@ -1090,9 +1108,16 @@ class GEP(core.Privatizer):
       state = {'step': state['step'] + 1,
                'directions': [sub.directions for sub in subspaces],
                'grams': [sub.gram for sub in subspaces]}
-    noisy_embedding = noise.add_gaussian(
-        sums['embedding'], self._s1, self._sigma1,
-        noise.substream(seed, 'gep/embedding'))
+    # At the unclamped basis sizes (`gaussian_release_shapes`): with as many
+    # anchors as basis vectors this pads nothing and draws the same noise.
+    requested = allocate_bases([sum(stop - start for _, start, stop in group)
+                                for group in segments], self._num_bases)
+    noisy_embedding = [
+        e[:w.shape[0]] for e, w in zip(noise.add_gaussian(
+            [tf.pad(w, [[0, k - w.shape[0]]])
+             for w, k in zip(sums['embedding'], requested)],
+            self._s1, self._sigma1, noise.substream(seed, 'gep/embedding')),
+                                       sums['embedding'])]
     if self._biased:
       return _scatter([_lift(public, sub, group, shapes, w)
                        for sub, group, w in

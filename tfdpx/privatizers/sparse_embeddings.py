@@ -273,10 +273,10 @@ class SparseEmbeddings(core.Wrapper):
             'selection_share': self._share,
             'false_positive_rate': self._rate}
 
-  def gaussian_release_shapes(self, params):
-    """None: the rows released, and so the noise's shape, vary by step."""
-    del params
-    return None
+  @property
+  def has_gaussian_releases(self) -> bool:
+    """False: the rows released, and so the noise's shape, vary by step."""
+    return False
 
   @property
   def selection_noise_multiplier(self) -> float:
