@@ -313,7 +313,8 @@ def run(argv=None):
     raise ValueError('--num_users needs --sampling=poisson (users sampled)')
   cyclic = None
   if FLAGS.sampling == 'cyclic_poisson':
-    # Step t samples group t mod groups: the expected batch stays batch_size.
+    # Step t samples group t mod groups (each example's group drawn at
+    # random): the expected batch stays batch_size.
     groups = FLAGS.noise_bands
     steps_per_epoch = sampling.steps_per_epoch(n, FLAGS.batch_size)
     accounted = {'sampling': 'cyclic_poisson', 'groups': groups,
@@ -393,6 +394,12 @@ def run(argv=None):
   history = []
   start = time.time()
   if cyclic is not None:
+    if int(epoch.numpy()) and FLAGS.insecure_noise_seed is None:
+      raise ValueError(
+          f'{FLAGS.checkpoint_dir} holds a --sampling=cyclic_poisson run, which '
+          'cannot be resumed: its groups were drawn from a secret that no '
+          'checkpoint keeps, and new groups could put an example in two steps '
+          'less than --noise_bands apart')
     # One dataset for the run, continuing the cycle of a resumed run.
     poisson = cyclic(int(epoch.numpy()) * steps_per_epoch)
   for e in range(int(epoch.numpy()), FLAGS.epochs):

@@ -144,11 +144,12 @@ def test_cyclic_batches_sample_the_group_of_their_step():
   least 4 apart across epochs too (7 steps an iteration)."""
   steps_of = {}
   counts = np.zeros(100)
+  group_of = sampling.example_groups(100, 4, seed=0)
   batches = [b for iteration in _iterations(_cyclic(7), count=40)
              for b in iteration]
   for step, batch in enumerate(batches):
     members = _members(batch)
-    assert all(i % 4 == step % 4 for i in members), step
+    assert all(group_of[i] == step % 4 for i in members), step
     for i in members:
       steps_of.setdefault(i, []).append(step)
       counts[i] += 1
@@ -158,10 +159,33 @@ def test_cyclic_batches_sample_the_group_of_their_step():
   assert np.all(np.abs(counts - 35) < stats.Z * np.sqrt(70 / 4))
 
 
+def test_cyclic_groups_are_drawn_for_each_example_independently():
+  """Add/remove adjacency: an example's group must not depend on the
+  others (groups by position, i mod 4, would move every later example when
+  one is removed). Over 400 secret runs, each example is in each group a
+  quarter of the time, and two examples share a group a quarter of the
+  time, whether 1 or 4 positions apart (by position: never, always)."""
+  runs = 400
+  seen = np.array([sampling.example_groups(12, 4, sampling.secret_entropy())
+                   for _ in range(runs)])
+  for g in range(4):
+    share = np.mean(seen == g, axis=0)
+    assert np.all(np.abs(share - 0.25) < stats.Z * np.sqrt(0.1875 / runs))
+  for gap in (1, 4):
+    same = np.mean(seen[:, :-gap] == seen[:, gap:])
+    assert abs(same - 0.25) < stats.Z * np.sqrt(0.1875 / runs)
+  batches = _iterations(_cyclic(4, n=12, q=1.0), count=1)[0]
+  assert sorted(i for b in batches for i in _members(b)) == list(range(12))
+
+
 def test_cyclic_batches_resume_the_cycle_at_first_step():
+  group_of = sampling.example_groups(100, 4, seed=0)
   resumed = _iterations(_cyclic(3, first_step=6), count=1)[0]
-  assert [{i % 4 for i in _members(b)} for b in resumed] == [{2}, {3}, {0}]
+  assert [{group_of[i] for i in _members(b)} for b in resumed] == [
+      {2}, {3}, {0}]
   with pytest.raises(ValueError, match='first_step'):
     _cyclic(3, first_step=-1)
+  with pytest.raises(ValueError, match='needs its seed'):
+    _cyclic(3, first_step=6, seed=None)
   with pytest.raises(ValueError, match='groups'):
     _cyclic(3, groups=0)

@@ -23,8 +23,8 @@ Sampling is an explicit choice (`SAMPLING_ASSUMPTIONS`):
   one step of each epoch and no amplification, as tensorflow-privacy's
   `compute_dp_sgd_privacy_statement` states it ("Epsilon with each example
   occurring once per epoch").
-- 'cyclic_poisson': the data split into `groups` groups, group `t mod
-  groups` Poisson-sampled with `sampling_probability` at step t
+- 'cyclic_poisson': each example in one of `groups` groups drawn at random,
+  group `t mod groups` Poisson-sampled with `sampling_probability` at step t
   (`tfdpx.sampling.cyclic_poisson_batches`); `epsilon_cyclic_poisson` is the
   worst group's Poisson-sampled steps. It is the sampling that amplifies
   noise correlated across steps (`tfdpx.privatizers.correlated`, with
@@ -358,7 +358,8 @@ def epsilon_cyclic_poisson(
 ) -> float:
   """Epsilon of cyclic Poisson sampling: group `t mod groups` at step t.
 
-  Each example is in one group, so it can be only in that group's steps,
+  Each example is in one group (drawn independently of the others, as
+  add/remove adjacency needs), so it can be only in that group's steps,
   each with probability `sampling_probability`; the run costs the worst
   group's Poisson-sampled step events. With noise correlated by a banded
   strategy of `b <= groups` bands, the columns of one example's steps do

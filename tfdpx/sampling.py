@@ -95,6 +95,26 @@ def poisson_batches(x, y, *, sampling_probability: float, steps: int,
   return _padded_batches(x, y, choose, root, size, steps)
 
 
+def example_groups(num_examples: int, groups: int, seed: int) -> np.ndarray:
+  """The group of each example in `cyclic_poisson_batches(..., seed=seed)`.
+
+  Each example's group is drawn independently and uniformly at random from
+  the run's secret root, on a stream of its own (not the batches'). As
+  secret as the seed: it says which steps each example can be in.
+
+  Returns:
+    int `[num_examples]`, values in `[0, groups)`.
+  """
+  rng = np.random.default_rng(np.random.SeedSequence(
+      int(seed), spawn_key=_GROUPS_STREAM))
+  return rng.integers(groups, size=num_examples)
+
+
+# The spawn key of the groups' stream; the batches' streams have one-word keys
+# (the iteration of the dataset).
+_GROUPS_STREAM = (0, 1)
+
+
 def cyclic_poisson_batches(x, y, *, sampling_probability: float, groups: int,
                            steps: int, first_step: int = 0,
                            seed: Optional[int] = None,
@@ -102,7 +122,8 @@ def cyclic_poisson_batches(x, y, *, sampling_probability: float, groups: int,
                            ) -> tf.data.Dataset:
   """`steps` cyclic Poisson batches `(x, y, sample_weight)` of one shape.
 
-  Example `i` belongs to group `i mod groups`. The batch of training step t
+  Each example belongs to one of `groups` groups, drawn independently and
+  uniformly at random (`example_groups`). The batch of training step t
   samples each example of group `t mod groups` independently with
   probability q, so an example's steps are at least `groups` apart: the
   participation that amplifies noise correlated over at most `groups` steps
@@ -114,39 +135,56 @@ def cyclic_poisson_batches(x, y, *, sampling_probability: float, groups: int,
   Args:
     x, y: as `poisson_batches`.
     sampling_probability: q in (0, 1], each example's probability to be in
-      a batch of its group's steps; the expected batch size is about `q * n /
+      a batch of its group's steps; the expected batch size is `q * n /
       groups`.
     groups: the number of groups, >= the bands of the noise correlation.
     steps: number of batches per iteration.
     first_step: the training step of the first batch: pass the optimizer's
-      `dp_steps` when resuming, so that the cycle continues where training
-      stopped (restarted at 0, an example could be in two steps less than
+      `dp_steps` when resuming, with the run's `seed`, so that the cycle
+      continues where training stopped with the same groups (new groups, or
+      the cycle restarted at 0, could put an example in two steps less than
       `groups` apart).
-    seed: as `poisson_batches`: None (the private choice) draws a secret.
-    batch_size: padded batch size; default `max_batch_size` of the largest
-      group.
+    seed: as `poisson_batches`: None (the private choice) draws a secret. A
+      run that will be resumed draws its seed once (`secret_entropy()`) and
+      keeps it as secret as the noise key: it decides the groups.
+    batch_size: padded batch size; default `max_batch_size(n, q / groups)`
+      (each example is in a given step's batch with probability q / groups,
+      independently of the others).
 
   Returns:
     A dataset of `steps` tuples, as `poisson_batches`.
 
   Raises:
-    ValueError: naming a bad argument.
+    ValueError: naming a bad argument, or `first_step > 0` without a seed.
 
   Privacy:
-    The groups are fixed by the examples' positions, not by their values;
-    an added or removed example is in one group. As in `poisson_batches`, an
-    overflowing batch would drop examples, with probability at most 1e-12
-    per step at the default size.
+    Add/remove-one-example adjacency, as the accountant's events. Each
+    example's group is drawn independently of the others' and of the data,
+    so adding or removing an example changes no other example's group (in
+    distribution): the two runs differ in that example alone, in the steps
+    of its group. Groups fixed by position (example i in group i mod
+    groups, or a shuffle split into equal groups) would be sound only for
+    replace-one adjacency: removing an example would move every later one
+    to another group. As in `poisson_batches`, an overflowing batch would
+    drop examples, with probability at most 1e-12 per step at the default
+    size.
   """
   x, y, n = _arrays(x, y)
-  root = _root(sampling_probability, seed)
-  groups = core.check_positive_int('groups', groups)
   if isinstance(first_step, bool) or int(first_step) != first_step or (
       first_step < 0):
     raise ValueError(
         f'first_step must be a non-negative integer, got {first_step!r}')
-  members = [np.arange(g, n, groups) for g in range(groups)]
-  size = batch_size or max_batch_size(len(members[0]), sampling_probability)
+  if first_step and seed is None:
+    raise ValueError(
+        f'first_step={first_step} resumes a run, which needs its seed: the '
+        'groups are drawn from it, and new groups could put an example in two '
+        'steps less than `groups` apart (draw the seed once with '
+        'secret_entropy() and keep it secret)')
+  root = _root(sampling_probability, seed)
+  groups = core.check_positive_int('groups', groups)
+  group_of = example_groups(n, groups, root)
+  members = [np.flatnonzero(group_of == g) for g in range(groups)]
+  size = batch_size or max_batch_size(n, sampling_probability / groups)
 
   def choose(rng, step):
     group = members[(int(first_step) + step) % groups]

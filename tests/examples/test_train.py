@@ -108,6 +108,16 @@ def test_correlated_run_samples_cyclically_and_says_so():
   assert 'correlated across steps' in results['statement']
 
 
+def test_a_cyclic_run_is_not_resumed_with_new_groups(tmp_path):
+  """The groups are drawn from a secret no checkpoint keeps: a resume would
+  draw new ones, so it is refused, naming the run."""
+  args = TINY + ['--sampling=cyclic_poisson', '--noise_bands=3',
+                 '--noise_multiplier=1.0', f'--checkpoint_dir={tmp_path}']
+  train.run(args)
+  with pytest.raises(ValueError, match='cannot be resumed'):
+    train.run(args + ['--epochs=2'])
+
+
 def test_blt_run_is_accounted_on_shuffled_batches():
   """Two buffers over 2 epochs of 3 shuffled steps: one Gaussian mechanism
   of the BLT's once-per-epoch bound."""
