@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from tfdpx import correlation
 from tfdpx.audit import scores
 
 
@@ -63,3 +64,25 @@ def test_releases_undo_keras_momentum():
   np.testing.assert_array_equal(scores.releases(grads, 0.0), grads)
   with pytest.raises(ValueError, match='momentum'):
     scores.releases(grads, 1.0)
+
+
+def test_the_matched_filter_whitens_correlated_noise_and_finds_its_step():
+  """Releases `C^-1 z` (noise alone) become `C^T z / |C e_t|`, independent
+  N(0, 1) per step apart from the columns' overlaps; one participation at
+  step t (no noise) gives `|C e_t|` at t, and at a step whose column it
+  does not overlap, 0."""
+  steps, m = 12, 20000
+  strategy = correlation.banded_toeplitz(3, steps)
+  c = strategy.toeplitz_coefficients(steps)
+  matrix = np.array([[c[t - s] if t >= s else 0.0 for s in range(steps)]
+                     for t in range(steps)])
+  norms = np.linalg.norm(matrix, axis=0)
+  z = np.random.default_rng(2).normal(size=(steps, m))
+  u = scores.matched(np.linalg.solve(matrix, z), strategy)
+  np.testing.assert_allclose(u, matrix.T @ z / norms[:, None], atol=1e-9)
+  np.testing.assert_allclose(np.std(u, axis=1), 1.0, atol=0.05)
+  for t in (0, 5, 11):
+    alone = scores.matched(np.eye(steps)[:, [t]], strategy)[:, 0]
+    assert alone[t] == pytest.approx(norms[t], rel=1e-12)
+    far = [s for s in range(steps) if abs(s - t) >= 3]
+    np.testing.assert_allclose(alone[far], 0.0, atol=1e-12)

@@ -160,3 +160,20 @@ def test_blt_is_accounted_without_amplification():
       privatizer, sampling='shuffle', steps=100, num_examples=1000,
       expected_batch_size=10, delta=DELTA)
   assert 'blt(buffers=2)' in statement and '2 secret tensors' in statement
+
+
+def test_independent_noise_has_the_banded_claim_under_cyclic_sampling():
+  """Why an audit cannot catch banded noise replaced by independent noise
+  of the same multiplier (b = 1): under cyclic Poisson sampling with
+  groups >= bands each participation is its step's event whatever the
+  bands, so independent noise has exactly the claimed epsilon. (The noise
+  covariance test, tests/privatizers/test_correlated.py, catches it.)"""
+  inner = privatizers.gaussian(1.0, 0.9)
+  for bands in (2, 4):
+    banded = privatizers.correlated(inner,
+                                    correlation.banded_toeplitz(bands, 40))
+    for accountant in ('rdp', 'pld'):
+      kwargs = dict(steps=40, sampling_probability=0.3, groups=4, delta=1e-5,
+                    accountant=accountant)
+      assert accounting.epsilon_cyclic_poisson(banded, **kwargs) == (
+          accounting.epsilon_cyclic_poisson(inner, **kwargs))

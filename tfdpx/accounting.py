@@ -358,6 +358,28 @@ def epsilon_cyclic_poisson(
 ) -> float:
   """Epsilon of cyclic Poisson sampling: group `t mod groups` at step t.
 
+  The epsilon of `cyclic_poisson_event`, the costliest group's steps; 0
+  before the first step.
+  """
+  event = cyclic_poisson_event(
+      source, steps=steps, sampling_probability=sampling_probability,
+      groups=groups, delta=delta, accountant=accountant)
+  if isinstance(event, dp_accounting.NoOpDpEvent):
+    return 0.0
+  return _event_epsilon(event, delta, accountant, None)
+
+
+def cyclic_poisson_event(
+    source,
+    *,
+    steps: Optional[int] = None,
+    sampling_probability: float,
+    groups: int,
+    delta: float,
+    accountant: str = 'rdp',
+) -> dp_accounting.DpEvent:
+  """The event of cyclic Poisson sampling: its costliest group's steps.
+
   Each example is in one group (drawn independently of the others, as
   add/remove adjacency needs), so it can be only in that group's steps,
   each with probability `sampling_probability`; the run costs the worst
@@ -379,7 +401,9 @@ def epsilon_cyclic_poisson(
     accountant: 'rdp' or 'pld' (`ACCOUNTANTS`).
 
   Returns:
-    Epsilon, `inf` if any step is not private.
+    The Poisson-sampled step events of the group whose epsilon at `delta`
+    is the largest (`NoOpDpEvent` before the first step): an upper bound on
+    every example's, whichever its group.
 
   Raises:
     ValueError: for a bad argument, naming it; `groups` fewer than the
@@ -411,8 +435,9 @@ def epsilon_cyclic_poisson(
     if run not in runs:
       runs.append(run)
   if not runs:
-    return 0.0
-  return max(_event_epsilon(run, delta, accountant, None) for run in runs)
+    return dp_accounting.NoOpDpEvent()
+  return max(runs, key=lambda run: _event_epsilon(run, delta, accountant,
+                                                   None))
 
 
 def _checked_groups(groups) -> int:

@@ -34,22 +34,26 @@ def _dp_sgd_epsilon(noise_multiplier):
 
 
 def _audit(build, epsilon, digits, *, num_canaries=500, canaries=None,
-           jit_compile=False, physical_batch_size=None):
+           jit_compile=False, physical_batch_size=None, groups=None,
+           batch_groups=None):
   x, y, public_data = digits
   privatizer = settings.calibrated(
       build, epsilon, steps=STEPS, delta=DELTA, sampling_probability=Q,
-      expected_batch_size=run.expected_batch_size(len(y), num_canaries, Q))
+      expected_batch_size=run.expected_batch_size(len(y), num_canaries, Q),
+      groups=groups)
   return run.one_run(
       privatizer, settings.mlp, x, y,
       canaries=canaries or canaries_lib.GradientCanaries(num_canaries),
       sampling_probability=Q, steps=STEPS, delta=DELTA,
       public_data=public_data, jit_compile=jit_compile,
-      physical_batch_size=physical_batch_size)
+      physical_batch_size=physical_batch_size, groups=groups,
+      batch_groups=batch_groups)
 
 
 @pytest.mark.parametrize('name', sorted(settings.PRIVATIZERS))
 def test_every_noise_steps_lower_bound_is_within_its_epsilon(name, digits):
-  found = _audit(settings.PRIVATIZERS[name], 4.0, digits)
+  found = _audit(settings.PRIVATIZERS[name], 4.0, digits,
+                 groups=settings.groups(name))
   assert found['printed_epsilon'] == pytest.approx(4.0, rel=1e-2)
   assert found['epsilon_lower_bound'] <= found['printed_epsilon']
   assert found['gaussian_epsilon'] <= found['printed_epsilon']
@@ -62,7 +66,7 @@ def test_every_noise_steps_lower_bound_is_within_its_epsilon(name, digits):
 def test_every_noise_steps_lower_bound_is_within_it_at_1_and_16(
     name, epsilon, digits):
   found = _audit(settings.PRIVATIZERS[name], epsilon, digits,
-                 num_canaries=1000)
+                 num_canaries=1000, groups=settings.groups(name))
   assert found['epsilon_lower_bound'] <= found['printed_epsilon']
 
 
@@ -89,6 +93,20 @@ def test_the_audit_catches_a_selection_on_exact_counts(flaw, digits):
   assert found['printed_epsilon'] == pytest.approx(1.0, rel=1e-2)
   assert found['epsilon_lower_bound'] > 2 * found['printed_epsilon']
   assert found['claim_rejected']
+
+
+@pytest.mark.parametrize('flaw', flaws.CORRELATED_FLAWS)
+def test_the_audit_catches_correlated_noise_on_batches_not_cycled(flaw,
+                                                                  digits):
+  """Correlated noise (4 bands) accounted as cyclic Poisson sampling over
+  4 groups, on plain Poisson batches: every canary can be in every step,
+  4 times the steps the accountant counts, in bands that overlap."""
+  found = _audit(lambda *a: settings.flawed(flaw, *a), 1.0, digits,
+                 num_canaries=10000, groups=settings.groups(flaw),
+                 batch_groups=settings.batch_groups(flaw))
+  assert found['printed_epsilon'] == pytest.approx(1.0, rel=1e-2)
+  assert found['claim_rejected'] or (
+      found['epsilon_lower_bound'] > found['printed_epsilon'])
 
 
 def _release(privatizer, sums, key):
@@ -148,7 +166,9 @@ def test_momentum_is_undone_to_each_steps_release(digits):
   found, included, share = _every_record_in_every_batch_without_noise(
       digits, momentum=0.9)
   assert found['updates'][-1, 0] > 5 * share  # Piled up.
-  sets = run.score_sets(found, None, sampling_probability=Q,
+  sets = run.score_sets(found, settings.PRIVATIZERS['gaussian'](0.0, STEPS,
+                                                                None),
+                        sampling_probability=Q,
                         learning_rate=0.1, momentum=0.9,
                         names=('final', 'spread'))
   np.testing.assert_allclose(sets['final'], share * STEPS * included,

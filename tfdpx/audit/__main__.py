@@ -25,12 +25,15 @@ from tfdpx.audit import run
 from tfdpx.audit import settings
 
 
-_ALL_FLAWS = flaws.FLAWS + flaws.SELECTION_FLAWS + flaws.PIPELINE_FLAWS
+_ALL_FLAWS = (flaws.FLAWS + flaws.SELECTION_FLAWS + flaws.PIPELINE_FLAWS +
+              flaws.CORRELATED_FLAWS)
 
 
 def _flawed_step(flaw):
   """The noise step a flaw breaks."""
-  return 'sparse_embeddings' if flaw in flaws.SELECTION_FLAWS else 'gaussian'
+  if flaw in flaws.SELECTION_FLAWS:
+    return 'sparse_embeddings'
+  return 'correlated' if flaw in flaws.CORRELATED_FLAWS else 'gaussian'
 
 
 def _names(text):
@@ -139,42 +142,47 @@ def main(argv=None):
   q = args.sampling_probability
   batch_size = run.expected_batch_size(len(y), args.num_canaries, q)
 
-  def calibrated(build, epsilon):
+  def calibrated(build, epsilon, groups):
     return settings.calibrated(
         build, epsilon, steps=args.steps, delta=args.delta,
-        sampling_probability=q, expected_batch_size=batch_size)
+        sampling_probability=q, expected_batch_size=batch_size,
+        groups=groups)
 
   common = dict(sampling_probability=q, steps=args.steps, delta=args.delta,
                 confidence=args.confidence,
                 learning_rate=args.learning_rate, public_data=public_data,
                 physical_batch_size=args.physical_batch_size)
-  audits = [(name, settings.PRIVATIZERS[name], e, None)
+  # (name, builder, epsilon, groups, what the batches really are)
+  audits = [(name, settings.PRIVATIZERS[name], e, settings.groups(name), {})
             for name in args.privatizers for e in args.epsilons]
   audits += [(f'flawed_{_flawed_step(flaw)}({flaw})',
               lambda *a, flaw=flaw: settings.flawed(flaw, *a),
-              args.flaw_epsilon, settings.batch_sampling_probability(flaw))
+              args.flaw_epsilon, settings.groups(flaw),
+              {'batch_sampling_probability':
+                   settings.batch_sampling_probability(flaw),
+               'batch_groups': settings.batch_groups(flaw)})
              for flaw in args.flaws]
   print('| privatizer | target eps | printed eps | lower bound | ceiling | '
         'claim rejected | caught | Gaussian eps (if Gaussian-shaped) | '
         'its ceiling | attack | correct/guesses | seconds |\n'
         '|---|---|---|---|---|---|---|---|---|---|---|---|')
   rows = []
-  for name, build, epsilon, batch_rate in audits:
-    privatizer = calibrated(build, epsilon)
+  for name, build, epsilon, groups, batches in audits:
+    privatizer = calibrated(build, epsilon, groups)
     for _ in range(args.repetitions):
       start = time.time()
       found = run.one_run(privatizer, settings.mlp, x, y,
-                          canaries=_canaries(args, x, y),
-                          batch_sampling_probability=batch_rate,
+                          canaries=_canaries(args, x, y), groups=groups,
                           scores=args.scores, momentum=args.momentum,
-                          **common)
+                          **batches, **common)
       _report(args, {'privatizer': name, 'target_epsilon': epsilon,
                'audit': 'one_run', **found,
                'noise_multiplier': privatizer.noise_multiplier,
-               'seconds': time.time() - start, **_settings(args)}, rows)
+               'seconds': time.time() - start,
+               **_settings(args, groups=groups)}, rows)
   if args.two_run_trials:
     for epsilon in args.epsilons:
-      privatizer = calibrated(settings.PRIVATIZERS['gaussian'], epsilon)
+      privatizer = calibrated(settings.PRIVATIZERS['gaussian'], epsilon, None)
       start = time.time()
       found = run.two_run(privatizer, settings.mlp, x, y,
                           trials=args.two_run_trials,

@@ -16,6 +16,10 @@ from tfdpx.privatizers.sparse_embeddings import SparseEmbeddings
 FLAWS = ('no_noise', 'no_clip', 'noise_fraction', 'reused_noise')
 SELECTION_FLAWS = ('exact_selection',)
 PIPELINE_FLAWS = ('no_sampling',)
+# Flaws of the input pipeline of noise correlated across steps: 'no_cycle',
+# plain Poisson batches at the rate the accountant is told for each
+# example's group's steps, so every example can be in every step.
+CORRELATED_FLAWS = ('no_cycle',)
 # The share of the accounted noise `'noise_fraction'` adds.
 NOISE_FRACTION = 0.5
 # The one noise key `'reused_noise'` draws every step's noise from.
@@ -35,7 +39,8 @@ class FlawedGaussian(Gaussian):
     it must give a lower bound above the epsilon printed for it. (The
     pipeline flaw `'no_sampling'`, every record in every batch while the
     accountant is told Poisson sampling, is the audit run's:
-    `run.one_run(batch_sampling_probability=1)`.)
+    `run.one_run(batch_sampling_probability=1)`; so is `CORRELATED_FLAWS`'
+    `'no_cycle'`: `run.one_run(groups=..., batch_groups=1)`.)
   """
 
   name = 'flawed_gaussian'

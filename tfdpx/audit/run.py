@@ -16,11 +16,14 @@ from tfdpx.audit import scores as scores_lib
 
 
 def expected_batch_size(num_examples: int, num_canaries: int,
-                        sampling_probability: float) -> float:
-  """The public denominator `q * (num_examples + num_canaries / 2)`: the
-  expected batch size, fixed before the canaries are drawn (a count of the
-  canaries actually included would reveal how many are in)."""
-  return sampling_probability * (num_examples + num_canaries / 2)
+                        sampling_probability: float,
+                        groups: Optional[int] = None) -> float:
+  """The public denominator `q * (num_examples + num_canaries / 2)`, over
+  `groups` for cyclic Poisson sampling: the expected batch size, fixed
+  before the canaries are drawn (a count of the canaries actually included
+  would reveal how many are in)."""
+  return sampling_probability * (num_examples + num_canaries / 2) / (
+      groups or 1)
 
 
 def train_with_canaries(privatizer: core.Privatizer,
@@ -31,17 +34,24 @@ def train_with_canaries(privatizer: core.Privatizer,
                         public_data=None, jit_compile: bool = False,
                         physical_batch_size: Optional[int] = None,
                         batch_sampling_probability: Optional[float] = None,
-                        momentum: float = 0.0) -> dict:
+                        momentum: float = 0.0,
+                        groups: Optional[int] = None,
+                        batch_groups: Optional[int] = None) -> dict:
   """One private training run with the canaries `included` marks.
 
   The run is a user's: `make_private(model)`, `tfdpx.keras.DPSGD` around
-  `privatizer`, Poisson batches with a secret sampling seed, a secret noise
-  key, `fit`. The optimizer divides by `expected_batch_size`.
+  `privatizer`, Poisson batches with a secret sampling seed (with `groups`,
+  cyclic Poisson batches over that many groups, each record's group a
+  secret: `tfdpx.sampling.cyclic_poisson_batches`, for noise correlated
+  across steps), a secret noise key, `fit`. The optimizer divides by
+  `expected_batch_size`.
   `physical_batch_size` runs each batch as virtual batches of that size
   (`make_private`). `batch_sampling_probability` is the rate the batches are
   really drawn at (default `sampling_probability`, which the accountant is
   told): another only to audit a flawed pipeline (`flaws.PIPELINE_FLAWS`).
-  `momentum` is SGD's (Keras', not Nesterov).
+  `momentum` is SGD's (Keras', not Nesterov). `batch_groups` is the number
+  of groups the batches are really drawn with (default `groups`; 1 for plain
+  Poisson batches): another only to audit a flawed pipeline.
 
   Returns:
     A dict: `scores` (one per canary), `updates` (`[steps, canaries]`, each
@@ -65,27 +75,38 @@ def train_with_canaries(privatizer: core.Privatizer,
   optimizer = tfdpx_keras.DPSGD(privatizer=privatizer,
                                 expected_batch_size=expected_batch_size(
                                     len(y), canaries.num_canaries,
-                                    sampling_probability),
+                                    sampling_probability, groups),
                                 learning_rate=learning_rate,
                                 momentum=momentum)
   trained.compile(optimizer, canaries.loss(), jit_compile=jit_compile)
-  batches = sampling.poisson_batches(
-      records_x, records_y,
-      sampling_probability=(sampling_probability
-                            if batch_sampling_probability is None else
-                            batch_sampling_probability), steps=steps)
+  rate = (sampling_probability if batch_sampling_probability is None else
+          batch_sampling_probability)
+  batch_groups = groups if batch_groups is None else batch_groups
+  if batch_groups and batch_groups > 1:
+    batches = sampling.cyclic_poisson_batches(
+        records_x, records_y, sampling_probability=rate, groups=batch_groups,
+        steps=steps)
+  else:
+    batches = sampling.poisson_batches(records_x, records_y,
+                                       sampling_probability=rate, steps=steps)
   trace = canaries.trace()
   trained.fit(batches, epochs=1, verbose=0,
               callbacks=[] if trace is None else [trace])
   printed = accounting.epsilon_for_sampling(
-      optimizer, sampling='poisson', sampling_probability=sampling_probability,
-      delta=delta)
+      optimizer, sampling='cyclic_poisson' if groups else 'poisson',
+      sampling_probability=sampling_probability, groups=groups, delta=delta)
+  if groups:
+    # The costliest group's steps: a claim that holds for every canary.
+    event = accounting.cyclic_poisson_event(
+        optimizer, sampling_probability=sampling_probability, groups=groups,
+        delta=delta)
+  else:
+    event = accounting.training_event(
+        optimizer, steps=None, sampling_probability=sampling_probability)
   return {'scores': canaries.scores(trained, model),
           'updates': None if trace is None else trace.updates(),
           'printed_epsilon': float(printed),
-          'event': accounting.training_event(
-              optimizer, steps=None,
-              sampling_probability=sampling_probability),
+          'event': event,
           'steps': int(optimizer.dp_steps.numpy()),
           'denominator': optimizer.denominator}
 
@@ -100,14 +121,18 @@ DEFAULT_SCORES = ('final', 'spread')
 def score_sets(run: dict, privatizer: core.Privatizer, *,
                sampling_probability: float, learning_rate: float,
                momentum: float = 0.0,
-               names: Sequence[str] = SCORES) -> dict:
+               names: Sequence[str] = SCORES,
+               groups: Optional[int] = None) -> dict:
   """The scores `names` of one run (`tfdpx.audit.scores`).
 
   With every step's release (gradient canaries; under momentum, undone
-  with the optimizer known: `scores.releases`): `final`, their sum (with
-  SGD the final coordinate); `likelihood`, the ratio for DP-SGD at the
-  privatizer's noise multiplier and clip norm; `spread`. Without (input
-  canaries): `final`, the canary's score at the end.
+  with the optimizer known: `scores.releases`; under noise correlated
+  across steps, each step's matched filter: `scores.matched`): `final`,
+  their sum (with SGD the final coordinate); `likelihood`, the ratio for
+  DP-SGD at the privatizer's noise multiplier and clip norm, each step
+  holding a canary with probability q (q / groups under cyclic sampling,
+  whose groups are secret); `spread`. Without (input canaries): `final`,
+  the canary's score at the end.
   """
   unknown = sorted(set(names) - set(SCORES))
   if unknown or not names:
@@ -116,6 +141,8 @@ def score_sets(run: dict, privatizer: core.Privatizer, *,
     sets = {'final': run['scores']}
   else:
     released = scores_lib.releases(run['updates'], momentum)
+    if privatizer.correlation is not None:
+      released = scores_lib.matched(released, privatizer.correlation)
     sets = {'final': scores_lib.total(released),
             'spread': scores_lib.spread(released)}
     if 'likelihood' in names and privatizer.noise_multiplier > 0:
@@ -123,7 +150,7 @@ def score_sets(run: dict, privatizer: core.Privatizer, *,
       clip = privatizer.reference_l2_norm_clip or 1.0
       noise_std = learning_rate * z * clip / run['denominator']
       sets['likelihood'] = scores_lib.likelihood_ratio(
-          released / noise_std, 1 / z, sampling_probability)
+          released / noise_std, 1 / z, sampling_probability / (groups or 1))
   return {name: sets[name] for name in names if name in sets}
 
 
@@ -136,7 +163,9 @@ def one_run(privatizer: core.Privatizer,
             physical_batch_size: Optional[int] = None,
             batch_sampling_probability: Optional[float] = None,
             scores: Sequence[str] = DEFAULT_SCORES,
-            momentum: float = 0.0) -> dict:
+            momentum: float = 0.0,
+            groups: Optional[int] = None,
+            batch_groups: Optional[int] = None) -> dict:
   """The one-run audit of one training run.
 
   Each canary is included independently with probability 1/2 (a secret
@@ -165,6 +194,10 @@ def one_run(privatizer: core.Privatizer,
       confidence (Bonferroni), which lowers every attack's ceiling: with
       10,000 canaries `('final',)` alone reaches further (docs/auditing.md).
     momentum: SGD's; the scores undo it (`scores.releases`).
+    groups: cyclic Poisson sampling over this many groups (noise
+      correlated across steps: `groups` at least its bands), accounted with
+      `epsilon_cyclic_poisson`; None for Poisson sampling.
+    batch_groups: as in `train_with_canaries`.
 
   Returns:
     A dict: `bounds.one_run_audit`'s (`epsilon_lower_bound`, `ceiling`,
@@ -180,11 +213,11 @@ def one_run(privatizer: core.Privatizer,
       learning_rate=learning_rate, public_data=public_data,
       jit_compile=jit_compile, physical_batch_size=physical_batch_size,
       batch_sampling_probability=batch_sampling_probability,
-      momentum=momentum)
+      momentum=momentum, groups=groups, batch_groups=batch_groups)
   found = bounds.one_run_audit(
       score_sets(run, privatizer, sampling_probability=sampling_probability,
                  learning_rate=learning_rate, momentum=momentum,
-                 names=scores),
+                 names=scores, groups=groups),
       included, delta=delta, confidence=confidence,
       claim=fdp_bounds.claimed_profile(run['event']))
   return {**found, 'printed_epsilon': run['printed_epsilon'], 'delta': delta,

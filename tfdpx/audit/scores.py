@@ -15,6 +15,7 @@ ones that have power against the cases `tfdpx.audit.flaws` plants.
 """
 
 import numpy as np
+from scipy import linalg
 
 
 def releases(updates: np.ndarray, momentum: float) -> np.ndarray:
@@ -30,6 +31,27 @@ def releases(updates: np.ndarray, momentum: float) -> np.ndarray:
   updates = np.asarray(updates, np.float64)
   before = np.concatenate([np.zeros_like(updates[:1]), updates[:-1]])
   return updates - momentum * before
+
+
+def matched(released: np.ndarray, strategy) -> np.ndarray:
+  """Each step's matched filter under noise correlated by `strategy`:
+  `[T, m] -> [T, m]`, `u_t = <C y, C e_t> / |C e_t|`.
+
+  The releases are `y = x + C^-1 z` (`tfdpx.privatizers.correlated`, `C`
+  the strategy's lower-triangular Toeplitz matrix over the T steps), so the
+  attacker, who knows the strategy, whitens them: `C y = C x + z`, the
+  steps' noise independent again. A participation at step t adds column t
+  of `C` (norm at most 1, less in the last bands) times the clipped
+  contribution, and `u_t`, the whitened releases' dot with that column's
+  direction, is the most powerful score for it: in units of the noise's
+  standard deviation `u_t ~ N(mu |C e_t|, 1)` for a canary in step t and in
+  no other step within the bands around it, `N(0, 1)` for one in none.
+  """
+  released = np.asarray(released, np.float64)
+  c = strategy.toeplitz_coefficients(released.shape[0])
+  matrix = linalg.toeplitz(c, np.zeros_like(c))
+  return (matrix.T @ (matrix @ released)) / np.linalg.norm(
+      matrix, axis=0)[:, np.newaxis]
 
 
 def total(updates: np.ndarray) -> np.ndarray:

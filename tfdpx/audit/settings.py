@@ -8,12 +8,16 @@ import numpy as np
 import tensorflow as tf
 
 from tfdpx import accounting
+from tfdpx import correlation
 from tfdpx import privatizers
 from tfdpx.audit import flaws
 
 L2_NORM_CLIP = 1.0
 TRAIN_EXAMPLES = 1000
 PUBLIC_EXAMPLES = 200
+# Bands of the audited correlated noise, and the groups of its cyclic
+# Poisson batches.
+CORRELATION_BANDS = 4
 
 
 def digits():
@@ -103,6 +107,13 @@ def _sparse_dpdr_loose(z, steps, expected_batch_size):
       selection_share=0.75, false_positive_rate=0.2)
 
 
+def _correlated(z, steps, expected_batch_size):
+  del expected_batch_size
+  return privatizers.correlated(
+      privatizers.gaussian(L2_NORM_CLIP, z),
+      correlation.banded_toeplitz(CORRELATION_BANDS, steps))
+
+
 # Each builder takes (noise_multiplier, steps, expected_batch_size).
 PRIVATIZERS = {
     'gaussian': _gaussian,
@@ -116,14 +127,27 @@ PRIVATIZERS = {
     'sparse_embeddings': _sparse,
     'sparse_embeddings_loose': _sparse_loose,
     'sparse_embeddings_dpdr_loose': _sparse_dpdr_loose,
+    'correlated': _correlated,
 }
+
+
+def groups(name: str):
+  """The cyclic Poisson groups the run of privatizer or flaw `name` is
+  accounted with (its noise is correlated across steps), else None
+  (Poisson sampling)."""
+  if name == 'correlated' or name in flaws.CORRELATED_FLAWS:
+    return CORRELATION_BANDS
+  return None
 
 
 def flawed(flaw: str, z, steps, expected_batch_size):
   """DP-SGD with `flaw` (`flaws.FLAWS`), accounted as DP-SGD at `z`;
   `sparse_embeddings` selecting on exact counts (`flaws.SELECTION_FLAWS`),
   accounted as at `z`; for a pipeline flaw (`flaws.PIPELINE_FLAWS`) DP-SGD
-  itself (the run is flawed: `batch_sampling_probability`)."""
+  itself, or for `flaws.CORRELATED_FLAWS` DP-SGD with correlated noise (the
+  run is flawed: `batch_sampling_probability`, `batch_groups`)."""
+  if flaw in flaws.CORRELATED_FLAWS:
+    return _correlated(z, steps, expected_batch_size)
   del steps, expected_batch_size
   if flaw in flaws.PIPELINE_FLAWS:
     return privatizers.gaussian(L2_NORM_CLIP, z)
@@ -139,11 +163,21 @@ def batch_sampling_probability(flaw: str):
   return 1.0 if flaw == 'no_sampling' else None
 
 
+def batch_groups(flaw: str):
+  """The groups a run with `flaw` really draws its batches with: 1 for
+  `'no_cycle'` (plain Poisson batches, every record eligible at every step,
+  while the accountant is told cyclic Poisson sampling), else None (the
+  accountant's)."""
+  return 1 if flaw == 'no_cycle' else None
+
+
 def calibrated(build, target_epsilon: float, *, steps: int, delta: float,
-               sampling_probability: float, expected_batch_size: float):
+               sampling_probability: float, expected_batch_size: float,
+               groups=None):
   """`build`'s privatizer at the noise multiplier that prints
-  `target_epsilon` (RDP, Poisson sampling)."""
+  `target_epsilon` (RDP, Poisson sampling, or cyclic Poisson sampling over
+  `groups` groups)."""
   z = accounting.calibrate_noise_multiplier(
       target_epsilon, build(1.0, steps, expected_batch_size), steps=steps,
-      delta=delta, sampling_probability=sampling_probability)
+      delta=delta, sampling_probability=sampling_probability, groups=groups)
   return build(z, steps, expected_batch_size)
