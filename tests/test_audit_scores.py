@@ -86,3 +86,20 @@ def test_the_matched_filter_whitens_correlated_noise_and_finds_its_step():
     assert alone[t] == pytest.approx(norms[t], rel=1e-12)
     far = [s for s in range(steps) if abs(s - t) >= 3]
     np.testing.assert_allclose(alone[far], 0.0, atol=1e-12)
+
+
+def test_the_cyclic_likelihood_ratio_is_the_mixture_over_the_groups():
+  """Under cyclic sampling over 3 groups the canary's group is a secret
+  uniform draw: the ratio averages the groups' own ratios, each over its
+  steps t = g mod 3; with one group it is the plain ratio."""
+  rng = np.random.default_rng(3)
+  mu, q = 0.8, 0.5
+  y = rng.normal(size=(10, 5))
+  mixture = (1 - q) * stats.norm.pdf(y) + q * stats.norm.pdf(y, loc=mu)
+  ratio = mixture / stats.norm.pdf(y)
+  direct = np.log(np.mean([np.prod(ratio[g::3], axis=0) for g in range(3)],
+                          axis=0))
+  np.testing.assert_allclose(scores.likelihood_ratio(y, mu, q, groups=3),
+                             direct, rtol=1e-12)
+  np.testing.assert_allclose(scores.likelihood_ratio(y, mu, q, groups=1),
+                             np.sum(np.log(ratio), axis=0), rtol=1e-12)

@@ -130,8 +130,8 @@ def score_sets(run: dict, privatizer: core.Privatizer, *,
   across steps, each step's matched filter: `scores.matched`): `final`,
   their sum (with SGD the final coordinate); `likelihood`, the ratio for
   DP-SGD at the privatizer's noise multiplier and clip norm, each step
-  holding a canary with probability q (q / groups under cyclic sampling,
-  whose groups are secret); `spread`. Without (input canaries): `final`,
+  holding a canary with probability q (under cyclic sampling, the steps of
+  its group, a secret: a mixture over the groups); `spread`. Without (input canaries): `final`,
   the canary's score at the end.
   """
   unknown = sorted(set(names) - set(SCORES))
@@ -150,7 +150,7 @@ def score_sets(run: dict, privatizer: core.Privatizer, *,
       clip = privatizer.reference_l2_norm_clip or 1.0
       noise_std = learning_rate * z * clip / run['denominator']
       sets['likelihood'] = scores_lib.likelihood_ratio(
-          released / noise_std, 1 / z, sampling_probability / (groups or 1))
+          released / noise_std, 1 / z, sampling_probability, groups or 1)
   return {name: sets[name] for name in names if name in sets}
 
 

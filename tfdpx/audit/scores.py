@@ -16,6 +16,7 @@ ones that have power against the cases `tfdpx.audit.flaws` plants.
 
 import numpy as np
 from scipy import linalg
+from scipy import special
 
 
 def releases(updates: np.ndarray, momentum: float) -> np.ndarray:
@@ -63,21 +64,29 @@ def total(updates: np.ndarray) -> np.ndarray:
   return np.sum(updates, axis=0)
 
 
-def likelihood_ratio(standardized: np.ndarray, mu: float,
-                     q: float) -> np.ndarray:
+def likelihood_ratio(standardized: np.ndarray, mu: float, q: float,
+                     groups: int = 1) -> np.ndarray:
   """`sum_t log(1 - q + q exp(mu y_t - mu^2 / 2))`: `[T, m] -> [m]`.
 
   The log-likelihood ratio of "in the data" (each step's batch holds the
   canary with probability q, independently) against "not in it", for
   independent Gaussian steps: by Neyman-Pearson the most powerful score for
   DP-SGD with Poisson sampling, where `total` is not when q < 1.
+
+  With `groups` > 1, cyclic Poisson sampling: the canary's group g is a
+  secret, uniform over the groups, and only steps `t = g mod groups` can
+  hold it, each with probability q: the ratio is the mean over g of the
+  ratios of g's steps (`log mean_g exp(sum_{t = g mod groups} ...)`).
   """
   if not 0 < q <= 1:
     raise ValueError(f'q must be in (0, 1], got {q!r}')
   y = np.asarray(standardized, np.float64)
   shifted = mu * y - mu**2 / 2
-  return np.sum(np.logaddexp(np.log1p(-q) if q < 1 else -np.inf,
-                             np.log(q) + shifted), axis=0)
+  per_step = np.logaddexp(np.log1p(-q) if q < 1 else -np.inf,
+                          np.log(q) + shifted)
+  per_group = np.array([np.sum(per_step[g::groups], axis=0)
+                        for g in range(groups)])
+  return special.logsumexp(per_group, axis=0) - np.log(groups)
 
 
 def spread(updates: np.ndarray) -> np.ndarray:
