@@ -235,14 +235,17 @@ def build_privatizer(noise_multiplier, steps_per_epoch):
   if FLAGS.noise_bands > 1 and FLAGS.noise_buffers:
     raise ValueError('--noise_bands and --noise_buffers are two strategies of '
                      'noise correlation: pass one')
+  # Optimized for the trajectory of the run's SGD, momentum included.
   if FLAGS.noise_bands > 1:
     privatizer = tfdpx.privatizers.correlated(
         privatizer, tfdpx.correlation.banded_toeplitz(
-            FLAGS.noise_bands, FLAGS.epochs * steps_per_epoch))
+            FLAGS.noise_bands, FLAGS.epochs * steps_per_epoch,
+            momentum=FLAGS.momentum))
   if FLAGS.noise_buffers:
     privatizer = tfdpx.privatizers.correlated(
         privatizer, tfdpx.correlation.blt(
-            FLAGS.noise_buffers, FLAGS.epochs * steps_per_epoch))
+            FLAGS.noise_buffers, FLAGS.epochs * steps_per_epoch,
+            momentum=FLAGS.momentum))
   return privatizer
 
 

@@ -131,11 +131,12 @@ class ToeplitzStrategy:
           (gap - 1) * steps_per_epoch + 1]
     return math.sqrt(max(total, 0.0))
 
-  def prefix_sum_error(self, steps: int) -> float:
-    """Root mean squared noise of the prefix sums (the model's trajectory
-    under SGD) over `steps` steps, per coordinate, in units of the noise
-    std: `sqrt((steps + 1) / 2)` for DP-SGD (one band)."""
-    p = np.cumsum(self.inverse_coefficients(steps))
+  def prefix_sum_error(self, steps: int, momentum: float = 0.0) -> float:
+    """Root mean squared noise of the model's trajectory over `steps` steps,
+    per coordinate, in units of the noise std: of the prefix sums under SGD
+    (`sqrt((steps + 1) / 2)` for DP-SGD, one band), or of `workload`'s
+    momentum sums under SGD with `momentum`."""
+    p = workload(self.inverse_coefficients(steps), momentum)
     return math.sqrt(np.sum((steps - np.arange(steps)) * p * p) / steps)
 
 
@@ -261,23 +262,33 @@ class BandedToeplitz(ToeplitzStrategy):
     return math.sqrt(best.max()) if best is not None else 0.0
 
 
-def _prefix_sum_loss(c: np.ndarray, steps: int) -> Tuple[float, np.ndarray]:
-  """Mean squared prefix-sum noise of `c` over `steps` (per unit noise std
-  and unit column norm) and its gradient in `c[1:]`.
+def workload(r: np.ndarray, momentum: float = 0.0) -> np.ndarray:
+  """The coefficients of `A R` for lower-triangular Toeplitz `R` (`r`) and
+  the workload `A` of SGD's trajectory: the prefix sums (`A` all ones), or
+  with `momentum` beta (Keras' SGD: the weights move by `v_t = beta v_{t-1}
+  - lr g_t`) `A[t, k] = (1 - beta^(t-k+1)) / (1 - beta)`, the prefix sums of
+  the momentum filter."""
+  return np.cumsum(signal.lfilter([1.0], [1.0, -momentum], r))
 
-  `A C^-1` (A: lower-triangular ones) is Toeplitz with `p = cumsum(r)` on
-  its diagonals (r: `C^-1`'s coefficients), so `|A C^-1|_F^2 = sum_k
-  (steps - k) p_k^2`; times `|c|^2` (the sensitivity) it does not depend on
-  the scale of `c`. `dr / dc_j` is minus `r * r` delayed by j.
+
+def _prefix_sum_loss(c: np.ndarray, steps: int, momentum: float = 0.0
+                    ) -> Tuple[float, np.ndarray]:
+  """Mean squared trajectory noise of `c` over `steps` (per unit noise std
+  and unit column norm; `workload`) and its gradient in `c[1:]`.
+
+  `A C^-1` (A: the workload) is Toeplitz with `p = workload(r)` on its
+  diagonals (r: `C^-1`'s coefficients), so `|A C^-1|_F^2 = sum_k (steps -
+  k) p_k^2`; times `|c|^2` (the sensitivity) it does not depend on the scale
+  of `c`. `dr / dc_j` is minus `r * r` delayed by j.
   """
   impulse = np.zeros(steps)
   impulse[:1] = 1.0
   with np.errstate(over='ignore', invalid='ignore'):
-    p = np.cumsum(signal.lfilter([1.0], c, impulse))
+    p = workload(signal.lfilter([1.0], c, impulse), momentum)
     weights = steps - np.arange(steps)
     frobenius = float(np.sum(weights * p * p))
     norm = float(c @ c)
-    p2 = np.cumsum(signal.lfilter([1.0], np.convolve(c, c), impulse))
+    p2 = workload(signal.lfilter([1.0], np.convolve(c, c), impulse), momentum)
     u = weights * p
     d_frobenius = np.array([-2.0 * (u[j:] @ p2[:steps - j])
                             for j in range(1, len(c))])
@@ -295,13 +306,16 @@ def _square_root_coefficients(bands: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=64)
-def optimal_coefficients(bands: int, steps: int) -> Tuple[float, ...]:
-  """Banded Toeplitz coefficients minimizing the prefix-sum error.
+def optimal_coefficients(bands: int, steps: int,
+                         momentum: float = 0.0) -> Tuple[float, ...]:
+  """Banded Toeplitz coefficients minimizing the trajectory's error.
 
-  Minimizes `prefix_sum_error(steps)` (the noise of SGD's trajectory) over
-  `c_1, ..., c_{bands-1}` with `c_0 = 1` by L-BFGS from the square-root
+  Minimizes `prefix_sum_error(steps, momentum)` (the noise of SGD's
+  trajectory, with `momentum` that of SGD with momentum) over `c_1, ...,
+  c_{bands-1}` with `c_0 = 1` by L-BFGS from the square-root
   factorization's coefficients, as Choquette-Choo et al. (2023) optimize
-  banded strategies; cached per `(bands, steps)`.
+  banded strategies for the prefix-sum and momentum workloads; cached per
+  `(bands, steps, momentum)`.
 
   Returns:
     The coefficients scaled to unit norm.
@@ -311,7 +325,8 @@ def optimal_coefficients(bands: int, steps: int) -> Tuple[float, ...]:
     return (1.0,)
 
   def log_loss(x):
-    loss, gradient = _prefix_sum_loss(np.concatenate([[1.0], x]), steps)
+    loss, gradient = _prefix_sum_loss(np.concatenate([[1.0], x]), steps,
+                                      momentum)
     if not np.isfinite(loss) or not np.all(np.isfinite(gradient)):
       return 1e3, np.zeros_like(x)  # An unstable C^-1: far from the optimum.
     return math.log(loss), gradient / loss
@@ -320,8 +335,8 @@ def optimal_coefficients(bands: int, steps: int) -> Tuple[float, ...]:
                              options={'maxiter': 1000})
   best = start
   candidate = np.concatenate([[1.0], result.x])
-  if (_prefix_sum_loss(candidate, steps)[0] <
-      _prefix_sum_loss(start, steps)[0]):
+  if (_prefix_sum_loss(candidate, steps, momentum)[0] <
+      _prefix_sum_loss(start, steps, momentum)[0]):
     best = candidate
   return tuple(float(v) for v in best / np.linalg.norm(best))
 
@@ -332,7 +347,14 @@ def _check_positive_ints(**values):
       raise ValueError(f'{name} must be a positive integer, got {value!r}')
 
 
-def banded_toeplitz(bands: int, steps: int) -> BandedToeplitz:
+def _checked_momentum(momentum) -> float:
+  if isinstance(momentum, bool) or not 0 <= momentum < 1:
+    raise ValueError(f'momentum must be in [0, 1), got {momentum!r}')
+  return float(momentum)
+
+
+def banded_toeplitz(bands: int, steps: int,
+                    momentum: float = 0.0) -> BandedToeplitz:
   """The banded Toeplitz strategy for `steps` training steps.
 
   Args:
@@ -341,15 +363,19 @@ def banded_toeplitz(bands: int, steps: int) -> BandedToeplitz:
       coordinates each. Amplification needs participations at least `b`
       steps apart (`tfdpx.sampling.cyclic_poisson_batches` with `groups=b`).
     steps: the number of training steps the error is optimized for.
+    momentum: the optimizer's SGD momentum, in [0, 1): the error optimized
+      is that of its trajectory (`workload`).
 
   Returns:
-    A `BandedToeplitz` with `optimal_coefficients(bands, steps)`.
+    A `BandedToeplitz` with `optimal_coefficients(bands, steps, momentum)`.
 
   Raises:
-    ValueError: naming the argument that is not a positive integer.
+    ValueError: naming the argument that is not a positive integer, or a
+      momentum outside [0, 1).
   """
   _check_positive_ints(bands=bands, steps=steps)
-  return BandedToeplitz(optimal_coefficients(int(bands), int(steps)))
+  return BandedToeplitz(optimal_coefficients(int(bands), int(steps),
+                                             _checked_momentum(momentum)))
 
 
 # The noise of a step is a few multiply-adds per coordinate over the draws
@@ -499,25 +525,25 @@ class BufferedLinearToeplitz(ToeplitzStrategy):
     return self._once_per_epoch_bound(steps, steps_per_epoch)
 
 
-def _blt_loss(x: np.ndarray, steps: int) -> float:
-  """The log mean squared prefix-sum error of the BLT with decays
+def _blt_loss(x: np.ndarray, steps: int, momentum: float) -> float:
+  """The log mean squared trajectory error of the BLT with decays
   `sigmoid(x[:d])` and output scales `exp(x[d:])`."""
   d = x.size // 2
   strategy = BufferedLinearToeplitz(special.expit(x[:d]), np.exp(x[d:]))
   with np.errstate(over='ignore', invalid='ignore'):
-    error = strategy.prefix_sum_error(steps)
+    error = strategy.prefix_sum_error(steps, momentum)
   return math.log(error) if np.isfinite(error) else 1e3
 
 
 @functools.lru_cache(maxsize=64)
-def optimal_blt_parameters(buffers: int, steps: int
+def optimal_blt_parameters(buffers: int, steps: int, momentum: float = 0.0
                            ) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
-  """BLT decays and output scales minimizing the prefix-sum error.
+  """BLT decays and output scales minimizing the trajectory's error.
 
-  Minimizes `prefix_sum_error(steps)` over decays in (0, 1) and positive
-  output scales by L-BFGS (numerical gradient), from decays spread
+  Minimizes `prefix_sum_error(steps, momentum)` over decays in (0, 1) and
+  positive output scales by L-BFGS (numerical gradient), from decays spread
   geometrically towards 1, as Dvijotham et al. (2024) and McMahan et al.
-  (2024) optimize BLTs; cached per `(buffers, steps)`.
+  (2024) optimize BLTs; cached per `(buffers, steps, momentum)`.
   """
   # 1 - theta_i from 1 / steps^(i / buffers): time scales over the run.
   gaps = steps ** (-np.arange(1, buffers + 1) / buffers)
@@ -525,33 +551,38 @@ def optimal_blt_parameters(buffers: int, steps: int
                             np.full(buffers, math.log(scale / buffers))])
             for scale in (0.1, 0.3, 1.0)]
   if buffers > 1:  # One buffer more than the best with one fewer.
-    decays, scales = optimal_blt_parameters(buffers - 1, steps)
+    decays, scales = optimal_blt_parameters(buffers - 1, steps, momentum)
     starts.append(np.concatenate([special.logit(decays), [0.0],
                                   np.log(scales), [math.log(1e-3)]]))
-  best = min((optimize.minimize(_blt_loss, start, args=(steps,),
+  best = min((optimize.minimize(_blt_loss, start, args=(steps, momentum),
                                 method='L-BFGS-B', options={'maxiter': 500})
               for start in starts), key=lambda result: result.fun)
   return (tuple(float(v) for v in special.expit(best.x[:buffers])),
           tuple(float(v) for v in np.exp(best.x[buffers:])))
 
 
-def blt(buffers: int, steps: int) -> BufferedLinearToeplitz:
+def blt(buffers: int, steps: int,
+        momentum: float = 0.0) -> BufferedLinearToeplitz:
   """The BLT strategy for `steps` training steps.
 
   Args:
     buffers: the number of buffers `d >= 1`; each step keeps `d` tensors of
       the noised coordinates' size and reads and rewrites each once.
     steps: the number of training steps the error is optimized for.
+    momentum: the optimizer's SGD momentum, in [0, 1), as in
+      `banded_toeplitz`.
 
   Returns:
-    A `BufferedLinearToeplitz` with `optimal_blt_parameters(buffers, steps)`.
+    A `BufferedLinearToeplitz` with `optimal_blt_parameters(buffers, steps,
+    momentum)`.
 
   Raises:
-    ValueError: naming the argument that is not a positive integer.
+    ValueError: naming the argument that is not a positive integer, or a
+      momentum outside [0, 1).
   """
   _check_positive_ints(buffers=buffers, steps=steps)
-  return BufferedLinearToeplitz(*optimal_blt_parameters(int(buffers),
-                                                        int(steps)))
+  return BufferedLinearToeplitz(*optimal_blt_parameters(
+      int(buffers), int(steps), _checked_momentum(momentum)))
 
 
 STRATEGIES = {cls.name: cls for cls in (BandedToeplitz,
