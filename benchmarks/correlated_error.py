@@ -70,7 +70,8 @@ def row(n, batch, epochs, epsilon):
         sampling_probability=bands * batch / n, groups=bands)
     error = z_b * banded.correlation.prefix_sum_error(steps) / reference
     cells.append(f'{error:.3f} (z {z_b:.2f})')
-  blt = privatizers.correlated(gaussian, correlation.blt(BUFFERS, steps))
+  blt = privatizers.correlated(gaussian, correlation.blt(
+      BUFFERS, steps, steps_per_epoch=math.ceil(n / batch)))
   z_blt = accounting.calibrate_noise_multiplier(
       epsilon, blt, steps=steps, delta=DELTA,
       steps_per_epoch=math.ceil(n / batch))

@@ -242,10 +242,11 @@ def build_privatizer(noise_multiplier, steps_per_epoch):
             FLAGS.noise_bands, FLAGS.epochs * steps_per_epoch,
             momentum=FLAGS.momentum))
   if FLAGS.noise_buffers:
+    # Accounted on shuffled batches: each example in one step of every epoch.
     privatizer = tfdpx.privatizers.correlated(
         privatizer, tfdpx.correlation.blt(
             FLAGS.noise_buffers, FLAGS.epochs * steps_per_epoch,
-            momentum=FLAGS.momentum))
+            momentum=FLAGS.momentum, steps_per_epoch=steps_per_epoch))
   return privatizer
 
 

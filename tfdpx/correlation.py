@@ -49,7 +49,7 @@ References:
 
 import functools
 import math
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from scipy import optimize
@@ -525,25 +525,36 @@ class BufferedLinearToeplitz(ToeplitzStrategy):
     return self._once_per_epoch_bound(steps, steps_per_epoch)
 
 
-def _blt_loss(x: np.ndarray, steps: int, momentum: float) -> float:
-  """The log mean squared trajectory error of the BLT with decays
-  `sigmoid(x[:d])` and output scales `exp(x[d:])`."""
+def _blt_loss(x: np.ndarray, steps: int, momentum: float,
+              steps_per_epoch: Optional[int]) -> float:
+  """The log trajectory error of the BLT with decays `sigmoid(x[:d])` and
+  output scales `exp(x[d:])`, times its once-per-epoch sensitivity with
+  `steps_per_epoch`: the error at a given epsilon."""
   d = x.size // 2
-  strategy = BufferedLinearToeplitz(special.expit(x[:d]), np.exp(x[d:]))
+  decays = special.expit(x[:d])
+  if np.any(decays >= 1.0):  # Rounded to 1: an unbounded BLT.
+    return 1e3
+  strategy = BufferedLinearToeplitz(decays, np.exp(x[d:]))
   with np.errstate(over='ignore', invalid='ignore'):
     error = strategy.prefix_sum_error(steps, momentum)
-  return math.log(error) if np.isfinite(error) else 1e3
+    if steps_per_epoch is not None:
+      error *= strategy.once_per_epoch_sensitivity(steps, steps_per_epoch)
+  return math.log(error) if np.isfinite(error) and error > 0 else 1e3
 
 
 @functools.lru_cache(maxsize=64)
-def optimal_blt_parameters(buffers: int, steps: int, momentum: float = 0.0
+def optimal_blt_parameters(buffers: int, steps: int, momentum: float = 0.0,
+                           steps_per_epoch: Optional[int] = None
                            ) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
   """BLT decays and output scales minimizing the trajectory's error.
 
-  Minimizes `prefix_sum_error(steps, momentum)` over decays in (0, 1) and
-  positive output scales by L-BFGS (numerical gradient), from decays spread
-  geometrically towards 1, as Dvijotham et al. (2024) and McMahan et al.
-  (2024) optimize BLTs; cached per `(buffers, steps, momentum)`.
+  Minimizes `prefix_sum_error(steps, momentum)` (for one participation), or
+  with `steps_per_epoch` its product with `once_per_epoch_sensitivity`
+  (the noise at a given epsilon when each example is in one step of every
+  epoch), over decays in (0, 1) and positive output scales by L-BFGS
+  (numerical gradient), from decays spread geometrically towards 1, as
+  Dvijotham et al. (2024) and McMahan et al. (2024) optimize BLTs; cached
+  per argument.
   """
   # 1 - theta_i from 1 / steps^(i / buffers): time scales over the run.
   gaps = steps ** (-np.arange(1, buffers + 1) / buffers)
@@ -551,18 +562,20 @@ def optimal_blt_parameters(buffers: int, steps: int, momentum: float = 0.0
                             np.full(buffers, math.log(scale / buffers))])
             for scale in (0.1, 0.3, 1.0)]
   if buffers > 1:  # One buffer more than the best with one fewer.
-    decays, scales = optimal_blt_parameters(buffers - 1, steps, momentum)
+    decays, scales = optimal_blt_parameters(buffers - 1, steps, momentum,
+                                            steps_per_epoch)
     starts.append(np.concatenate([special.logit(decays), [0.0],
                                   np.log(scales), [math.log(1e-3)]]))
-  best = min((optimize.minimize(_blt_loss, start, args=(steps, momentum),
+  best = min((optimize.minimize(_blt_loss, start,
+                                args=(steps, momentum, steps_per_epoch),
                                 method='L-BFGS-B', options={'maxiter': 500})
               for start in starts), key=lambda result: result.fun)
   return (tuple(float(v) for v in special.expit(best.x[:buffers])),
           tuple(float(v) for v in np.exp(best.x[buffers:])))
 
 
-def blt(buffers: int, steps: int,
-        momentum: float = 0.0) -> BufferedLinearToeplitz:
+def blt(buffers: int, steps: int, momentum: float = 0.0,
+        steps_per_epoch: Optional[int] = None) -> BufferedLinearToeplitz:
   """The BLT strategy for `steps` training steps.
 
   Args:
@@ -571,18 +584,26 @@ def blt(buffers: int, steps: int,
     steps: the number of training steps the error is optimized for.
     momentum: the optimizer's SGD momentum, in [0, 1), as in
       `banded_toeplitz`.
+    steps_per_epoch: the steps of one pass over shuffled data, when the run
+      has several: the error is then optimized at a given epsilon, with the
+      sensitivity of one participation per epoch
+      (`once_per_epoch_sensitivity`, what the accountant charges); None
+      optimizes for one participation.
 
   Returns:
     A `BufferedLinearToeplitz` with `optimal_blt_parameters(buffers, steps,
-    momentum)`.
+    momentum, steps_per_epoch)`.
 
   Raises:
     ValueError: naming the argument that is not a positive integer, or a
       momentum outside [0, 1).
   """
   _check_positive_ints(buffers=buffers, steps=steps)
+  if steps_per_epoch is not None:
+    _check_positive_ints(steps_per_epoch=steps_per_epoch)
+    steps_per_epoch = int(steps_per_epoch)
   return BufferedLinearToeplitz(*optimal_blt_parameters(
-      int(buffers), int(steps), _checked_momentum(momentum)))
+      int(buffers), int(steps), _checked_momentum(momentum), steps_per_epoch))
 
 
 STRATEGIES = {cls.name: cls for cls in (BandedToeplitz,
