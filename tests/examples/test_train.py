@@ -119,12 +119,13 @@ def test_a_cyclic_run_is_not_resumed_with_new_groups(tmp_path):
 
 
 def test_blt_run_is_accounted_on_shuffled_batches():
-  """Two buffers over 2 epochs of 3 shuffled steps: one Gaussian mechanism
-  of the BLT's once-per-epoch bound."""
+  """Two buffers over 2 epochs of 3 shuffled steps, optimized for that
+  participation: one Gaussian mechanism of the BLT's once-per-epoch bound."""
   results = train.run(TINY + ['--sampling=shuffle', '--noise_buffers=2',
                               '--noise_multiplier=1.0', '--epochs=2'])
   correlated = tfdpx.privatizers.correlated(
-      tfdpx.privatizers.gaussian(1.0, 1.0), tfdpx.correlation.blt(2, 6))
+      tfdpx.privatizers.gaussian(1.0, 1.0),
+      tfdpx.correlation.blt(2, 6, steps_per_epoch=3))
   assert results['steps'] == 6
   assert results['epsilon'] == pytest.approx(
       tfdpx.accounting.epsilon_for_sampling(
