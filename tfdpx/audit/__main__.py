@@ -1,7 +1,8 @@
 r"""Audits every noise step at several printed epsilons: `python -m tfdpx.audit`.
 
 For each privatizer and target epsilon the noise multiplier is calibrated
-(RDP, Poisson sampling), one run trains the digits MLP with canaries
+(RDP, Poisson sampling; cyclic Poisson sampling over `settings.groups` for
+noise correlated across steps), one run trains the digits MLP with canaries
 (`tfdpx.audit.settings`), and the one-run lower bound is printed next to the
 printed epsilon; `--flaws` adds deliberately broken DP-SGD runs, which the
 audit must catch, and `--two_run_trials` the classic bound for DP-SGD.

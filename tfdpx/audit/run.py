@@ -131,8 +131,8 @@ def score_sets(run: dict, privatizer: core.Privatizer, *,
   their sum (with SGD the final coordinate); `likelihood`, the ratio for
   DP-SGD at the privatizer's noise multiplier and clip norm, each step
   holding a canary with probability q (under cyclic sampling, the steps of
-  its group, a secret: a mixture over the groups); `spread`. Without (input canaries): `final`,
-  the canary's score at the end.
+  its group, a secret: a mixture over the groups); `spread`. Without (input
+  canaries): `final`, the canary's score at the end.
   """
   unknown = sorted(set(names) - set(SCORES))
   if unknown or not names:
