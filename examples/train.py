@@ -174,6 +174,14 @@ flags.DEFINE_integer('insecure_noise_seed', None,
                      'secret keys from the OS.')
 flags.DEFINE_string('checkpoint_dir', None,
                     'Save after every epoch and resume from here.')
+flags.DEFINE_string('secret_dir', None,
+                    "Keep the run's secrets here, in a place as protected as "
+                    'the training data: the noise history of correlated '
+                    'noise (--noise_bands, --noise_buffers) after every epoch '
+                    'and the seed of the cyclic groups. A run resumed from '
+                    '--checkpoint_dir then continues them; without it the '
+                    'correlation restarts (as private) and a cyclic run is '
+                    'not resumed.')
 flags.DEFINE_string('export_dir', None, 'Write a SavedModel here at the end.')
 flags.DEFINE_integer('train_examples', None,
                      'Use only this many training examples (smoke runs).')
@@ -261,6 +269,35 @@ def build_optimizer(privatizer):
   return tfdpx.keras.DPAdagrad(**common)
 
 
+def _secret_sampling_seed():
+  """The cyclic groups' seed, kept in --secret_dir (drawn there by the
+  first run); None without it (a fresh secret: the run cannot be resumed)."""
+  if FLAGS.secret_dir is None:
+    return None
+  path = os.path.join(FLAGS.secret_dir, 'sampling_seed')
+  if not os.path.exists(path):
+    os.makedirs(FLAGS.secret_dir, exist_ok=True)
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600),
+              'w') as f:
+      f.write(str(sampling.secret_entropy()))
+  with open(path) as f:
+    return int(f.read())
+
+
+def _secret_checkpoint(optimizer, model, resumed):
+  """The manager of the noise history in --secret_dir, restored when
+  resuming; None without correlated noise or --secret_dir."""
+  if FLAGS.secret_dir is None or optimizer.privatizer.correlation is None:
+    return None
+  optimizer.create_variables(model.trainable_variables)
+  manager = tf.train.CheckpointManager(
+      optimizer.secret_checkpoint(),
+      os.path.join(FLAGS.secret_dir, 'noise_history'), max_to_keep=1)
+  if resumed and manager.latest_checkpoint:
+    manager.checkpoint.restore(manager.latest_checkpoint).assert_consumed()
+  return manager
+
+
 def _shuffled_epoch(x, y, epoch, seed):
   """The fixed-size batches of one shuffled pass, a function of (seed, epoch)."""
   epoch_seed = np.random.SeedSequence([seed, epoch]).generate_state(1)[0]
@@ -328,7 +365,8 @@ def run(argv=None):
       return sampling.cyclic_poisson_batches(
           x_train, y_train, sampling_probability=min(1.0, q * groups),
           groups=groups, steps=steps_per_epoch, first_step=first_step,
-          seed=FLAGS.insecure_noise_seed)
+          seed=(FLAGS.insecure_noise_seed if FLAGS.insecure_noise_seed
+                is not None else _secret_sampling_seed()))
   elif FLAGS.sampling == 'poisson':
     steps_per_epoch = sampling.steps_per_epoch(records, FLAGS.batch_size)
     accounted = {'sampling': 'poisson', 'sampling_probability': q}
@@ -388,6 +426,7 @@ def run(argv=None):
       # Slot and privatizer variables, created at the first step, are
       # restored when they are created.
       checkpoint.restore(manager.latest_checkpoint).expect_partial()
+  secret = _secret_checkpoint(optimizer, trained, resumed=int(epoch.numpy()))
 
   callbacks = [tfdpx.keras.PrivacyCallback(
       delta=FLAGS.delta, accountant=FLAGS.accountant, **accounted)]
@@ -398,12 +437,13 @@ def run(argv=None):
   history = []
   start = time.time()
   if cyclic is not None:
-    if int(epoch.numpy()) and FLAGS.insecure_noise_seed is None:
+    if (int(epoch.numpy()) and FLAGS.insecure_noise_seed is None and
+        FLAGS.secret_dir is None):
       raise ValueError(
           f'{FLAGS.checkpoint_dir} holds a --sampling=cyclic_poisson run, which '
-          'cannot be resumed: its groups were drawn from a secret that no '
-          'checkpoint keeps, and new groups could put an example in two steps '
-          'less than --noise_bands apart')
+          'cannot be resumed without --secret_dir: its groups were drawn from '
+          'a secret that no checkpoint keeps, and new groups could put an '
+          'example in two steps less than --noise_bands apart')
     # One dataset for the run, continuing the cycle of a resumed run.
     poisson = cyclic(int(epoch.numpy()) * steps_per_epoch)
   for e in range(int(epoch.numpy()), FLAGS.epochs):
@@ -417,6 +457,8 @@ def run(argv=None):
     epoch.assign(e + 1)
     if manager:
       manager.save()
+    if secret:
+      secret.save()
     if trained.stop_training:
       break
   seconds = time.time() - start
@@ -437,7 +479,7 @@ def run(argv=None):
           'steps': int(optimizer.dp_steps.numpy()),
           'test_accuracy': accuracy, **_validation(trained, validation),
           'history': history, 'seconds': seconds,
-          'statement': statement, 'model': model}
+          'statement': statement, 'model': model, 'optimizer': optimizer}
 
 
 def _validation(model, validation):

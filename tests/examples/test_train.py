@@ -118,6 +118,33 @@ def test_a_cyclic_run_is_not_resumed_with_new_groups(tmp_path):
     train.run(args + ['--epochs=2'])
 
 
+def _history(results):
+  return [v.numpy() for v in
+          results['optimizer'].secret_checkpoint().secret_state]
+
+
+def test_a_resume_continues_the_secrets_kept_in_the_secret_dir(tmp_path):
+  """With --secret_dir a resumed run restores the noise history (which no
+  model checkpoint holds) and the cyclic groups' seed, kept only there."""
+  args = TINY + ['--sampling=cyclic_poisson', '--noise_bands=3',
+                 '--noise_multiplier=1.0',
+                 f'--checkpoint_dir={tmp_path / "model"}',
+                 f'--secret_dir={tmp_path / "secret"}']
+  first = _history(train.run(args))
+  assert all(np.any(h != 0) for h in first)
+  assert oct(os.stat(tmp_path / 'secret' / 'sampling_seed').st_mode)[-3:] == (
+      '600')
+  # Resumed after its last epoch: nothing to train, the history restored.
+  restored = _history(train.run(args))
+  for a, b in zip(first, restored):
+    np.testing.assert_array_equal(a, b)
+  resumed = train.run(args + ['--epochs=2'])
+  assert resumed['steps'] == 6
+  names = [name for name, _ in tf.train.list_variables(
+      str(tmp_path / 'model'))]
+  assert not any('secret' in name for name in names), names
+
+
 def test_blt_run_is_accounted_on_shuffled_batches():
   """Two buffers over 2 epochs of 3 shuffled steps, optimized for that
   participation: one Gaussian mechanism of the BLT's once-per-epoch bound."""
