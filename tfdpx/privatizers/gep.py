@@ -96,6 +96,11 @@ def _group_segments(var_sizes: Sequence[int], num_groups: Optional[int],
   return segments
 
 
+def _group_sizes(segments: Sequence[Sequence[Segment]]) -> List[int]:
+  """The parameter count `p_j` of each group."""
+  return [sum(stop - start for _, start, stop in group) for group in segments]
+
+
 def _window(shape: tf.TensorShape, start: int, stop: int
            ) -> Tuple[Optional[Tuple[int, int]], int, List[int]]:
   """The slices of a variable's first axis that hold its flat `[start, stop)`.
@@ -799,8 +804,7 @@ class GEP(core.Privatizer):
     gram_groups = ([False] * len(segments) if loop_free else
                    self._gram_groups(segments, grads, public))
     num_public = tf.get_static_value(public.batch_size())
-    sizes = [sum(stop - start for _, start, stop in group)
-             for group in segments]
+    sizes = _group_sizes(segments)
     ks = allocate_bases(sizes, self._num_bases, num_public)
     requested = allocate_bases(sizes, self._num_bases)
     if num_public is not None and max(requested) > num_public:
@@ -963,8 +967,7 @@ class GEP(core.Privatizer):
       return {}
     shapes = [tf.TensorShape(p.shape) for p in params]
     segments = self._segments(shapes)
-    ks = allocate_bases([sum(b - a for _, a, b in g) for g in segments],
-                        self._num_bases)
+    ks = allocate_bases(_group_sizes(segments), self._num_bases)
     return {
         'step': tf.constant(0, tf.int64),
         'directions': [
@@ -982,9 +985,8 @@ class GEP(core.Privatizer):
     embedding clamped to fewer anchors is released padded with zeros, which
     its basis's missing columns lift to nothing), then for GEP the residual
     sums, one flat `[p_j]` per group."""
-    sizes = [sum(stop - start for _, start, stop in group)
-             for group in self._segments([tf.TensorShape(p.shape)
-                                          for p in params])]
+    sizes = _group_sizes(self._segments([tf.TensorShape(p.shape)
+                                         for p in params]))
     releases = [[tf.TensorShape([k])
                  for k in allocate_bases(sizes, self._num_bases)]]
     if not self._biased:
@@ -1110,8 +1112,7 @@ class GEP(core.Privatizer):
                'grams': [sub.gram for sub in subspaces]}
     # At the unclamped basis sizes (`gaussian_release_shapes`): with as many
     # anchors as basis vectors this pads nothing and draws the same noise.
-    requested = allocate_bases([sum(stop - start for _, start, stop in group)
-                                for group in segments], self._num_bases)
+    requested = allocate_bases(_group_sizes(segments), self._num_bases)
     noisy_embedding = [
         e[:w.shape[0]] for e, w in zip(noise.add_gaussian(
             [tf.pad(w, [[0, k - w.shape[0]]])
