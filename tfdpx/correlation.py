@@ -52,6 +52,7 @@ import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+from scipy import linalg
 from scipy import optimize
 from scipy import signal
 from scipy import special
@@ -105,9 +106,7 @@ class ToeplitzStrategy:
     """`C^-1 C^-T` over `steps` steps: the covariance across steps of one
     coordinate's noise, in units of the noise std squared."""
     r = self.inverse_coefficients(steps)
-    inverse = np.zeros((steps, steps))
-    for k in range(steps):
-      inverse += np.diag(np.full(steps - k, r[k]), -k)
+    inverse = linalg.toeplitz(r, np.zeros_like(r))
     return inverse @ inverse.T
 
   def _once_per_epoch_bound(self, steps: int, steps_per_epoch: int) -> float:
