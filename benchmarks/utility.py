@@ -89,6 +89,7 @@ def _run(flags, seed, epsilon, validation_examples):
   return {'epsilon': (None if math.isinf(result['epsilon'])
                       else float(result['epsilon'])),
           'noise_multiplier': result['noise_multiplier'],
+          'noise_bands': result.get('noise_bands'),
           'validation_accuracy': float(result['validation_accuracy']),
           'test_accuracy': float(result['test_accuracy']),
           # sparse_embeddings: rows selected a step, over the whole run.
@@ -132,8 +133,12 @@ def run(config, log=print, keep=lambda record: None):
 
 
 def _note(method, group):
-  """A method's note, and the rows it selected a step where it selects."""
+  """A method's note, the bands it chose where it chooses them, and the rows
+  it selected a step where it selects."""
   note = method.get('note', '')
+  if '--noise_bands=auto' in method['flags']:
+    bands = sorted({r['noise_bands'] for r in group})
+    note += f'{"; " if note else ""}{"/".join(map(str, bands))} bands chosen'
   selected = [r['selected_rows'] for r in group
               if r.get('selected_rows') is not None]
   if selected:

@@ -149,11 +149,15 @@ flags.DEFINE_enum('sampling', 'poisson', ['poisson', 'shuffle',
                   'Poisson sampling over --noise_bands groups (the expected '
                   'batch is still --batch_size; amplified banded matrix '
                   'factorization).')
-flags.DEFINE_integer('noise_bands', 1,
-                     'Noise correlated across steps by a banded Toeplitz '
-                     'strategy of this many bands, optimized for the run\'s '
-                     'steps (1: independent noise); needs '
-                     '--sampling=cyclic_poisson or shuffle.')
+flags.DEFINE_string('noise_bands', '1',
+                    'Noise correlated across steps by a banded Toeplitz '
+                    'strategy of this many bands, optimized for the run\'s '
+                    'steps (1: independent noise); needs '
+                    '--sampling=cyclic_poisson or shuffle. "auto" (with '
+                    '--sampling=cyclic_poisson and --target_epsilon): the '
+                    'count of 1, 2, 4, ... up to 32 whose trajectory noise at '
+                    'the target is least (amplified banded matrix '
+                    'factorization\'s choice; 1 is DP-SGD).')
 flags.DEFINE_integer('noise_buffers', 0,
                      'Noise correlated across steps by a BLT strategy of this '
                      'many buffers, optimized for the run\'s steps (0: none); '
@@ -195,7 +199,7 @@ flags.DEFINE_bool('progress', False,
 flags.DEFINE_integer('verbose', 2, 'Keras fit verbosity.')
 
 
-def build_privatizer(noise_multiplier, steps_per_epoch):
+def build_privatizer(noise_multiplier, steps_per_epoch, bands=1):
   """The privatizer the flags describe, at the given noise multiplier."""
   clip = FLAGS.l2_norm_clip
   name = FLAGS.privatizer
@@ -240,14 +244,14 @@ def build_privatizer(noise_multiplier, steps_per_epoch):
     privatizer = tfdpx.privatizers.sparsified(
         privatizer, FLAGS.final_sparsity, FLAGS.epochs, steps_per_epoch,
         mask_seed=FLAGS.seed or 0)
-  if FLAGS.noise_bands > 1 and FLAGS.noise_buffers:
+  if bands > 1 and FLAGS.noise_buffers:
     raise ValueError('--noise_bands and --noise_buffers are two strategies of '
                      'noise correlation: pass one')
   # Optimized for the trajectory of the run's SGD, momentum included.
-  if FLAGS.noise_bands > 1:
+  if bands > 1:
     privatizer = tfdpx.privatizers.correlated(
         privatizer, tfdpx.correlation.banded_toeplitz(
-            FLAGS.noise_bands, FLAGS.epochs * steps_per_epoch,
+            bands, FLAGS.epochs * steps_per_epoch,
             momentum=FLAGS.momentum))
   if FLAGS.noise_buffers:
     # Accounted on shuffled batches: each example in one step of every epoch.
@@ -353,10 +357,11 @@ def run(argv=None):
   if FLAGS.num_users and FLAGS.sampling != 'poisson':
     raise ValueError('--num_users needs --sampling=poisson (users sampled)')
   cyclic = None
+  bands = _noise_bands(n)
   if FLAGS.sampling == 'cyclic_poisson':
     # Step t samples group t mod groups (each example's group drawn at
     # random): the expected batch stays batch_size.
-    groups = FLAGS.noise_bands
+    groups = bands
     steps_per_epoch = sampling.steps_per_epoch(n, FLAGS.batch_size)
     accounted = {'sampling': 'cyclic_poisson', 'groups': groups,
                  'sampling_probability': min(1.0, q * groups)}
@@ -389,10 +394,10 @@ def run(argv=None):
   noise_multiplier = FLAGS.noise_multiplier
   if noise_multiplier is None:
     noise_multiplier = tfdpx.accounting.calibrate_noise_multiplier(
-        FLAGS.target_epsilon, build_privatizer(1.0, steps_per_epoch),
+        FLAGS.target_epsilon, build_privatizer(1.0, steps_per_epoch, bands),
         steps=steps, delta=FLAGS.delta, accountant=FLAGS.accountant,
         **{k: v for k, v in accounted.items() if k != 'sampling'})
-  privatizer = build_privatizer(noise_multiplier, steps_per_epoch)
+  privatizer = build_privatizer(noise_multiplier, steps_per_epoch, bands)
 
   tf.keras.utils.set_random_seed(seed)
   model = models.MODELS[FLAGS.model](x_train.shape[1:], num_classes)
@@ -475,11 +480,36 @@ def run(argv=None):
   return {'epsilon': eps, 'delta': FLAGS.delta, 'sampling': FLAGS.sampling,
           'accountant': FLAGS.accountant,
           'private': not optimizer.noise_seed_is_known,
-          'noise_multiplier': noise_multiplier,
+          'noise_multiplier': noise_multiplier, 'noise_bands': bands,
           'steps': int(optimizer.dp_steps.numpy()),
           'test_accuracy': accuracy, **_validation(trained, validation),
           'history': history, 'seconds': seconds,
           'statement': statement, 'model': model, 'optimizer': optimizer}
+
+
+def _noise_bands(n):
+  """The number of bands: --noise_bands, or the least noisy for 'auto'."""
+  if FLAGS.noise_bands != 'auto':
+    try:
+      bands = int(FLAGS.noise_bands)
+    except ValueError:
+      bands = 0
+    if bands < 1:
+      raise ValueError('--noise_bands must be a positive integer or "auto", '
+                       f'got {FLAGS.noise_bands!r}')
+    return bands
+  if FLAGS.sampling != 'cyclic_poisson' or FLAGS.target_epsilon is None:
+    raise ValueError('--noise_bands=auto chooses the bands of amplified banded '
+                     'matrix factorization at a privacy target: it needs '
+                     '--sampling=cyclic_poisson and --target_epsilon')
+  if FLAGS.noise_multiplier is not None:
+    raise ValueError('--noise_bands=auto calibrates the noise multiplier to '
+                     '--target_epsilon: pass no --noise_multiplier')
+  steps_per_epoch = sampling.steps_per_epoch(n, FLAGS.batch_size)
+  return tfdpx.band_selection.least_noise_bands(
+      build_privatizer(1.0, steps_per_epoch),
+      target_epsilon=FLAGS.target_epsilon, examples=n, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs,
+      delta=FLAGS.delta, momentum=FLAGS.momentum, accountant=FLAGS.accountant)
 
 
 def _validation(model, validation):

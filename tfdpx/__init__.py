@@ -5,6 +5,7 @@ from tfdpx import autograph
 autograph.leave_unconverted()
 
 from tfdpx import accounting  # pylint: disable=wrong-import-position
+from tfdpx import band_selection  # pylint: disable=wrong-import-position
 from tfdpx import correlation  # pylint: disable=wrong-import-position
 from tfdpx import keras  # pylint: disable=wrong-import-position
 from tfdpx import privatizers  # pylint: disable=wrong-import-position

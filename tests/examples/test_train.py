@@ -108,6 +108,31 @@ def test_correlated_run_samples_cyclically_and_says_so():
   assert 'correlated across steps' in results['statement']
 
 
+def test_auto_bands_are_the_least_noisy_at_the_target():
+  """96 examples in one pass at epsilon 8: two bands have less trajectory
+  noise than one; the run samples 2 groups and is accounted so."""
+  results = train.run(TINY + ['--sampling=cyclic_poisson', '--noise_bands=auto',
+                              '--target_epsilon=8'])
+  assert results['noise_bands'] == tfdpx.band_selection.least_noise_bands(
+      tfdpx.privatizers.gaussian(1.0, 1.0), target_epsilon=8.0, examples=96,
+      batch_size=32, epochs=1, delta=1e-5) == 2
+  assert results['epsilon'] == pytest.approx(
+      tfdpx.accounting.epsilon_cyclic_poisson(
+          tfdpx.privatizers.correlated(
+              tfdpx.privatizers.gaussian(1.0, results['noise_multiplier']),
+              tfdpx.correlation.banded_toeplitz(2, 3)),
+          steps=results['steps'], sampling_probability=64 / 96, groups=2,
+          delta=1e-5), rel=1e-12)
+  assert 'cyclic Poisson: 2 groups' in results['statement']
+  with pytest.raises(ValueError, match='needs --sampling=cyclic_poisson'):
+    train.run(TINY + ['--noise_bands=auto', '--target_epsilon=8'])
+  with pytest.raises(ValueError, match='pass no --noise_multiplier'):
+    train.run(TINY + ['--sampling=cyclic_poisson', '--noise_bands=auto',
+                      '--target_epsilon=8', '--noise_multiplier=1.0'])
+  with pytest.raises(ValueError, match='positive integer or "auto"'):
+    train.run(TINY + ['--noise_bands=two', '--noise_multiplier=1.0'])
+
+
 def test_a_cyclic_run_is_not_resumed_with_new_groups(tmp_path):
   """The groups are drawn from a secret no checkpoint keeps: a resume would
   draw new ones, so it is refused, naming the run."""
