@@ -6,8 +6,9 @@ sampling and the multiplier of banded matrix factorization with `b` bands
 under cyclic Poisson sampling over `b` groups (the group's sampling
 probability is `b` times DP-SGD's, each example in a `b`-th of the steps),
 and prints the root mean squared noise of the prefix sums (SGD's trajectory)
-relative to DP-SGD's: `z_b * error_b / (z_1 * error_1)`, below 1 where the
-strategy's cancellation outweighs the weaker amplification. The last
+relative to DP-SGD's: `z_b * error_b / (z_1 * error_1)`
+(`band_selection.trajectory_noise`), below 1 where the strategy's
+cancellation outweighs the weaker amplification. The last
 column is a BLT of 2 buffers on shuffled batches (`ceil(n / B)` steps an
 epoch), which no sampling amplifies: one Gaussian mechanism of its
 once-per-epoch sensitivity. The settings include those of the utility table
@@ -27,6 +28,7 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 
 from tfdpx import accounting  # pylint: disable=g-import-not-at-top
+from tfdpx import band_selection  # pylint: disable=g-import-not-at-top
 from tfdpx import correlation  # pylint: disable=g-import-not-at-top
 from tfdpx import privatizers  # pylint: disable=g-import-not-at-top
 
@@ -56,29 +58,25 @@ def row(n, batch, epochs, epsilon):
   """The table row of one setting."""
   steps = epochs * math.ceil(n / batch)
   gaussian = privatizers.gaussian(1.0, 1.0)
-  z = accounting.calibrate_noise_multiplier(
-      epsilon, gaussian, steps=steps, delta=DELTA,
-      sampling_probability=batch / n)
-  reference = z * correlation.banded_toeplitz(1, steps).prefix_sum_error(
-      steps)
+  setting = dict(target_epsilon=epsilon, examples=n, batch_size=batch,
+                 epochs=epochs, delta=DELTA)
+  noise = band_selection.trajectory_noise_by_bands(
+      gaussian, max_bands=max(BANDS), **setting)
+  z = noise[1] / correlation.banded_toeplitz(1, steps).prefix_sum_error(steps)
   cells = []
   for bands in BANDS:
-    if bands * batch > n:
+    if bands not in noise:  # A group smaller than the batch.
       cells.append('')
       continue
-    banded = privatizers.correlated(
-        gaussian, correlation.banded_toeplitz(bands, steps))
-    z_b = accounting.calibrate_noise_multiplier(
-        epsilon, banded, steps=steps, delta=DELTA,
-        sampling_probability=bands * batch / n, groups=bands)
-    error = z_b * banded.correlation.prefix_sum_error(steps) / reference
-    cells.append(f'{error:.3f} (z {z_b:.2f})')
+    z_b = noise[bands] / correlation.banded_toeplitz(
+        bands, steps).prefix_sum_error(steps)
+    cells.append(f'{noise[bands] / noise[1]:.3f} (z {z_b:.2f})')
   blt = privatizers.correlated(gaussian, correlation.blt(
       BUFFERS, steps, steps_per_epoch=math.ceil(n / batch)))
   z_blt = accounting.calibrate_noise_multiplier(
       epsilon, blt, steps=steps, delta=DELTA,
       steps_per_epoch=math.ceil(n / batch))
-  error = z_blt * blt.correlation.prefix_sum_error(steps) / reference
+  error = z_blt * blt.correlation.prefix_sum_error(steps) / noise[1]
   cells.append(f'{error:.3f} (z {z_blt:.2f})')
   return (f'| {n} | {batch} | {epochs} | {steps} | {epsilon:g} | {z:.2f} | ' +
           ' | '.join(cells) + ' |')
