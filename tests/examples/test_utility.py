@@ -35,6 +35,7 @@ def _fake_run(calls):
             'noise_multiplier': 1.0 if private else None,
             'validation_accuracy': {0.5: 0.7, 1.0: 0.9, 2.0: 0.8}[lr],
             'test_accuracy': {0.5: 0.6, 1.0: 0.7, 2.0: 0.95}[lr] + seed / 100,
+            'noise_bands': 4 if '--noise_bands=auto' in argv else 1,
             'seconds': 1.0}
 
   return run
@@ -56,6 +57,15 @@ def test_the_setting_is_chosen_on_validation_data_and_reported_over_seeds(
   table = utility.table(_config(), records, 'cmd')
   assert '| A | 3 | 2.990 | --learning_rate=1.0 | 0.9000 | 0.7100 ± 0.0100 | 3 |' in table
   assert '| plain | - | none | - |' in table
+
+
+def test_the_bands_a_method_chose_are_in_its_note(monkeypatch):
+  monkeypatch.setattr(train, 'run', _fake_run([]))
+  config = _config(methods={'banded': {'flags': [
+      '--privatizer=gaussian', '--noise_bands=auto'], 'note': 'n'}})
+  table = utility.table(config, utility.run(config, log=lambda *_: None),
+                        'cmd')
+  assert '| n; 4 bands chosen |' in table
 
 
 @pytest.mark.parametrize('bad', [{'seeds': [0, 1]}, {'validation_examples': 0},
