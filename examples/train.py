@@ -328,6 +328,7 @@ def run(argv=None):
   Returns:
     A dict: `epsilon` (the bound for the run's sampling), `delta`,
     `sampling`, `private` (False with a known noise seed), `noise_multiplier`,
+    `noise_bands` (the bands used: --noise_bands, or those 'auto' chose),
     `steps`, `test_accuracy`, `history` (per-epoch logs: epsilon and held-out
     accuracy), `seconds`, `statement`, `model` (the plain Keras model, sharing
     the trained weights).
