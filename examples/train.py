@@ -41,8 +41,6 @@ from tfdpx import schedules
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
-# Keras's default, passed explicitly: the correlated noise is optimized for it.
-ADAM_BETA_1 = 0.9
 
 flags.DEFINE_enum('privatizer', 'gaussian',
                   ['gaussian', 'dpdr', 'd2p2', 'gep', 'geodp', 'none'],
@@ -249,18 +247,18 @@ def build_privatizer(noise_multiplier, steps_per_epoch, bands=1):
   if bands > 1 and FLAGS.noise_buffers:
     raise ValueError('--noise_bands and --noise_buffers are two strategies of '
                      'noise correlation: pass one')
-  # Optimized for the trajectory of the run's optimizer, momentum included.
+  # Optimized for the trajectory of the run's SGD, momentum included.
   if bands > 1:
     privatizer = tfdpx.privatizers.correlated(
         privatizer, tfdpx.correlation.banded_toeplitz(
             bands, FLAGS.epochs * steps_per_epoch,
-            momentum=_trajectory_momentum()))
+            momentum=FLAGS.momentum))
   if FLAGS.noise_buffers:
     # Accounted on shuffled batches: each example in one step of every epoch.
     privatizer = tfdpx.privatizers.correlated(
         privatizer, tfdpx.correlation.blt(
             FLAGS.noise_buffers, FLAGS.epochs * steps_per_epoch,
-            momentum=_trajectory_momentum(), steps_per_epoch=steps_per_epoch))
+            momentum=FLAGS.momentum, steps_per_epoch=steps_per_epoch))
   return privatizer
 
 
@@ -271,18 +269,8 @@ def build_optimizer(privatizer):
   if FLAGS.optimizer == 'sgd':
     return tfdpx.keras.DPSGD(momentum=FLAGS.momentum, **common)
   if FLAGS.optimizer == 'adam':
-    return tfdpx.keras.DPAdam(beta_1=ADAM_BETA_1, **common)
+    return tfdpx.keras.DPAdam(**common)
   return tfdpx.keras.DPAdagrad(**common)
-
-
-def _trajectory_momentum():
-  """The momentum of the optimizer's first moment, whose trajectory the
-  correlated noise is optimized for: SGD's --momentum; Adam's beta_1 (its
-  first moment filters the releases as momentum does, up to a scale; the
-  division by its second moment's root is left out); none for Adagrad."""
-  if FLAGS.optimizer == 'sgd':
-    return FLAGS.momentum
-  return ADAM_BETA_1 if FLAGS.optimizer == 'adam' else 0.0
 
 
 def _secret_sampling_seed():
@@ -522,8 +510,7 @@ def _noise_bands(n):
   return tfdpx.band_selection.least_noise_bands(
       build_privatizer(1.0, steps_per_epoch),
       target_epsilon=FLAGS.target_epsilon, examples=n, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs,
-      delta=FLAGS.delta, momentum=_trajectory_momentum(),
-      accountant=FLAGS.accountant)
+      delta=FLAGS.delta, momentum=FLAGS.momentum, accountant=FLAGS.accountant)
 
 
 def _validation(model, validation):

@@ -133,19 +133,6 @@ def test_auto_bands_are_the_least_noisy_at_the_target():
     train.run(TINY + ['--noise_bands=two', '--noise_multiplier=1.0'])
 
 
-@pytest.mark.parametrize('optimizer, momentum', [
-    (['--optimizer=adam'], 0.9), (['--momentum=0.5'], 0.5),
-    (['--optimizer=adagrad'], 0.0)])
-def test_the_strategy_is_optimized_for_the_optimizers_first_moment(
-    optimizer, momentum):
-  """Adam's first moment filters the releases as SGD's momentum of its
-  beta_1 does."""
-  results = train.run(TINY + ['--sampling=cyclic_poisson', '--noise_bands=3',
-                              '--noise_multiplier=1.0', *optimizer])
-  assert results['optimizer'].privatizer.correlation == (
-      tfdpx.correlation.banded_toeplitz(3, 3, momentum=momentum))
-
-
 def test_a_cyclic_run_is_not_resumed_with_new_groups(tmp_path):
   """The groups are drawn from a secret no checkpoint keeps: a resume would
   draw new ones, so it is refused, naming the run."""
