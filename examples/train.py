@@ -247,7 +247,9 @@ def build_privatizer(noise_multiplier, steps_per_epoch, bands=1):
   if bands > 1 and FLAGS.noise_buffers:
     raise ValueError('--noise_bands and --noise_buffers are two strategies of '
                      'noise correlation: pass one')
-  # Optimized for the trajectory of the run's SGD, momentum included.
+  # Optimized for the trajectory of the run's SGD, momentum included; under
+  # Adam for the prefix sums (docs/correlated_noise.md: optimized for its
+  # beta_1, the text model did not learn at epsilon 1).
   if bands > 1:
     privatizer = tfdpx.privatizers.correlated(
         privatizer, tfdpx.correlation.banded_toeplitz(
