@@ -5,6 +5,7 @@ import math
 import dp_accounting
 import numpy as np
 import pytest
+from scipy import linalg
 
 from tfdpx import band_selection
 from tfdpx import privatizers
@@ -42,9 +43,9 @@ def test_trajectory_noise_is_the_calibrated_multiplier_times_the_error(bands):
   gaussian = privatizers.gaussian(1.0, 1.0)
   noise = band_selection.trajectory_noise(gaussian, bands, **setting)
   strategy = band_selection.correlation.banded_toeplitz(bands, steps)
-  inverse = np.linalg.inv(np.array(
-      [[strategy.toeplitz_coefficients(steps)[t - k] if t >= k else 0.0
-        for k in range(steps)] for t in range(steps)]))
+  coefficients = strategy.toeplitz_coefficients(steps)
+  inverse = np.linalg.inv(linalg.toeplitz(coefficients,
+                                          np.zeros_like(coefficients)))
   z = noise / _prefix_sum_error(inverse)
   q = bands * 32 / 320
   eps = _rdp(q, z, math.ceil(steps / bands))

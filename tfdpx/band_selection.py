@@ -53,13 +53,14 @@ def trajectory_noise(privatizer: core.Privatizer, bands: int, *,
         f'batch_size={batch_size}: at most {examples // batch_size} bands')
   steps = epochs * sampling.steps_per_epoch(examples, batch_size)
   strategy = correlation.banded_toeplitz(bands, steps, momentum=momentum)
-  groups = {'groups': bands} if bands > 1 else {}
+  # One band is independent noise; cyclic Poisson sampling over one group is
+  # Poisson sampling.
+  if bands > 1:
+    privatizer = privatizers.correlated(privatizer, strategy)
   z = accounting.calibrate_noise_multiplier(
-      target_epsilon,
-      privatizers.correlated(privatizer, strategy) if bands > 1 else
-      privatizer,
-      steps=steps, delta=delta, sampling_probability=bands * batch_size /
-      examples, accountant=accountant, **groups)
+      target_epsilon, privatizer, steps=steps, delta=delta,
+      sampling_probability=bands * batch_size / examples,
+      accountant=accountant, groups=bands)
   return z * strategy.prefix_sum_error(steps, momentum)
 
 
