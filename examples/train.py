@@ -511,8 +511,9 @@ def _noise_bands(n):
   steps_per_epoch = sampling.steps_per_epoch(n, FLAGS.batch_size)
   return tfdpx.band_selection.least_noise_bands(
       build_privatizer(1.0, steps_per_epoch),
-      target_epsilon=FLAGS.target_epsilon, examples=n, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs,
-      delta=FLAGS.delta, momentum=FLAGS.momentum, accountant=FLAGS.accountant)
+      target_epsilon=FLAGS.target_epsilon, examples=n,
+      batch_size=FLAGS.batch_size, epochs=FLAGS.epochs, delta=FLAGS.delta,
+      momentum=FLAGS.momentum, accountant=FLAGS.accountant)
 
 
 def _validation(model, validation):
