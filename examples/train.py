@@ -514,7 +514,7 @@ def _noise_bands(n):
         '--noise_bands=auto chooses the bands of least noise in SGD\'s '
         'trajectory; under --optimizer=%s each step\'s larger noise also '
         'enters the second moment, and on the text benchmark with Adam the '
-        'chosen bands trailed DP-SGD by 3.7 points at epsilon 8 '
+        'chosen bands trailed DP-SGD at epsilon 8 '
         '(docs/correlated_noise.md, "Utility")', FLAGS.optimizer)
   steps_per_epoch = sampling.steps_per_epoch(n, FLAGS.batch_size)
   return tfdpx.band_selection.least_noise_bands(

@@ -141,7 +141,7 @@ AGREE_CASES = ('gaussian', 'dpdr', 'geodp_sound', 'd2p2_srht_mode_o',
 def agree():
   """For every privatizer: do replicas hold identical weights and state?
 
-  Through make_private (a fourth of the compile path's time to trace here):
+  Through make_private (about half the compile path's time here):
   the state and draws are the privatizer's, whichever engine gave the
   per-example gradients; `noise` and `noiseless` run the compile path.
   """
