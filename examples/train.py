@@ -127,7 +127,8 @@ flags.DEFINE_integer('batch_size', 250, 'Expected batch size.')
 flags.DEFINE_float('learning_rate', 0.5, 'Learning rate.')
 flags.DEFINE_enum('optimizer', 'sgd', ['sgd', 'adam', 'adagrad'],
                   'Base optimizer.')
-flags.DEFINE_float('momentum', 0.0, 'SGD momentum.')
+flags.DEFINE_float('momentum', 0.0, 'SGD momentum (--optimizer=sgd only); '
+                  'correlated noise is optimized for it.')
 flags.DEFINE_float('l2_norm_clip', 1.0, 'Per-example clip norm.')
 flags.DEFINE_float('noise_multiplier', None,
                    'Effective noise multiplier of a step. Unset: calibrated '
@@ -331,6 +332,11 @@ def run(argv=None):
       FLAGS.target_epsilon is None):
     raise ValueError('pass --noise_multiplier or --target_epsilon (or both: '
                      'then training stops before epsilon exceeds the target)')
+  if FLAGS.momentum and FLAGS.optimizer != 'sgd':
+    # The correlated noise's strategy is optimized for --momentum: it must be
+    # the momentum the optimizer applies.
+    raise ValueError(f'--momentum is SGD\'s; --optimizer={FLAGS.optimizer} '
+                     'would not apply it: pass --optimizer=sgd or no --momentum')
   seed = FLAGS.seed
   if seed is None:
     # 32 bits: Keras's set_random_seed seeds NumPy's legacy generator.

@@ -134,6 +134,10 @@ def test_auto_bands_are_the_least_noisy_at_the_target(caplog):
                       '--target_epsilon=8', '--noise_multiplier=1.0'])
   with pytest.raises(ValueError, match='positive integer or "auto"'):
     train.run(TINY + ['--noise_bands=two', '--noise_multiplier=1.0'])
+  # Adam would ignore the momentum the strategy would be optimized for.
+  with pytest.raises(ValueError, match="--momentum is SGD's; --optimizer=adam"):
+    train.run(TINY + ['--noise_bands=2', '--noise_multiplier=1.0',
+                      '--optimizer=adam', '--momentum=0.9'])
 
 
 def test_a_cyclic_run_is_not_resumed_with_new_groups(tmp_path):
