@@ -129,6 +129,11 @@ flags.DEFINE_enum('optimizer', 'sgd', ['sgd', 'adam', 'adagrad'],
                   'Base optimizer.')
 flags.DEFINE_float('momentum', 0.0, 'SGD momentum (--optimizer=sgd only); '
                   'correlated noise is optimized for it.')
+flags.DEFINE_float('noise_variance_correction', None,
+                   'Adam only: each coordinate\'s second moment less the '
+                   'noise\'s own (public) variance, floored at this many '
+                   'variances of one noise draw (DP-AdamBC; '
+                   'tfdpx.keras.DPAdam). Unset: Keras\'s Adam.')
 flags.DEFINE_float('l2_norm_clip', 1.0, 'Per-example clip norm.')
 flags.DEFINE_float('noise_multiplier', None,
                    'Effective noise multiplier of a step. Unset: calibrated '
@@ -273,7 +278,8 @@ def build_optimizer(privatizer):
   if FLAGS.optimizer == 'sgd':
     return tfdpx.keras.DPSGD(momentum=FLAGS.momentum, **common)
   if FLAGS.optimizer == 'adam':
-    return tfdpx.keras.DPAdam(**common)
+    return tfdpx.keras.DPAdam(
+        noise_variance_correction=FLAGS.noise_variance_correction, **common)
   return tfdpx.keras.DPAdagrad(**common)
 
 
@@ -337,6 +343,9 @@ def run(argv=None):
     # the momentum the optimizer applies.
     raise ValueError(f'--momentum is SGD\'s; --optimizer={FLAGS.optimizer} '
                      'would not apply it: pass --optimizer=sgd or no --momentum')
+  if FLAGS.noise_variance_correction is not None and FLAGS.optimizer != 'adam':
+    raise ValueError('--noise_variance_correction is Adam\'s: pass '
+                     f'--optimizer=adam (not {FLAGS.optimizer})')
   seed = FLAGS.seed
   if seed is None:
     # 32 bits: Keras's set_random_seed seeds NumPy's legacy generator.

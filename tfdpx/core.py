@@ -200,6 +200,17 @@ class Privatizer(abc.ABC):
     return None
 
   @property
+  def coordinate_noise_variance(self) -> Optional[float]:
+    """The variance of the Gaussian noise one independent draw puts on every
+    coordinate of a step's noisy sum (DP-SGD: `(noise_multiplier *
+    l2_norm_clip)**2`); with `correlation`, step t's noise is a combination
+    of such draws. None (the default) where the coordinates' noise is not
+    one public variance (a projection, sparsification, per-layer or adaptive
+    clipping): Adam's noise variance correction (`tfdpx.keras.DPAdam`)
+    refuses such a step."""
+    return None
+
+  @property
   def reference_l2_norm_clip(self) -> Optional[float]:
     """The norm adaptive clipping compares each example's gradient norm
     with (`tfdpx.privatizers.adaptive_clipping`); None if the privatizer has

@@ -140,6 +140,16 @@ def test_auto_bands_are_the_least_noisy_at_the_target(caplog):
                       '--optimizer=adam', '--momentum=0.9'])
 
 
+def test_the_noise_variance_correction_reaches_adam_only():
+  results = train.run(TINY + ['--sampling=cyclic_poisson', '--noise_bands=2',
+                              '--noise_multiplier=1.0', '--optimizer=adam',
+                              '--noise_variance_correction=0.5'])
+  assert results['optimizer'].get_config()['noise_variance_correction'] == 0.5
+  with pytest.raises(ValueError, match="correction is Adam's"):
+    train.run(TINY + ['--noise_multiplier=1.0',
+                      '--noise_variance_correction=0.5'])
+
+
 def test_a_cyclic_run_is_not_resumed_with_new_groups(tmp_path):
   """The groups are drawn from a secret no checkpoint keeps: a resume would
   draw new ones, so it is refused, naming the run."""

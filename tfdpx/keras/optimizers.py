@@ -23,6 +23,8 @@ from tfdpx.keras import lazy_updates
 from tfdpx.keras import validation
 from tfdpx.keras.dp_optimizer import DPOptimizerMixin
 from tfdpx.keras.dp_optimizer import secret_seed
+from tfdpx.keras.noise_variance_correction import NOISE_CORRECTION_ROWS
+from tfdpx.keras.noise_variance_correction import NoiseVarianceCorrection
 
 _LOG = logging.getLogger(__name__)
 
@@ -334,11 +336,48 @@ class DPSGD(_Keras2DPOptimizer, tfp_vectorized.VectorizedDPKerasSGDOptimizer):
 class DPAdam(_Keras2DPOptimizer, tfp_vectorized.VectorizedDPKerasAdamOptimizer):
   """Adam on privatized gradients. See `DPOptimizerMixin` for the DP arguments.
 
-  A table's selected rows (`tf.IndexedSlices`, `sparse_embeddings`) take
-  lazy updates: `tfdpx.keras.lazy_updates`.
+  `noise_variance_correction=f` (keyword only; None by default, Keras's
+  Adam): each coordinate's second moment less the noise's own variance,
+  floored at `f` times one noise draw's (DP-AdamBC;
+  `tfdpx.keras.noise_variance_correction`). A table's selected rows
+  (`tf.IndexedSlices`, `sparse_embeddings`) take lazy updates:
+  `tfdpx.keras.lazy_updates`.
   """
 
+  def __init__(self, *args, noise_variance_correction=None, **kwargs):
+    super().__init__(*args, **kwargs)
+    self._noise_correction = None
+    if noise_variance_correction is not None:
+      self._noise_correction = NoiseVarianceCorrection(
+          noise_variance_correction, self._privatizer,
+          self._expected_batch_size, self._hyper['beta_2'], self.amsgrad)
+
+  def get_config(self):
+    config = super().get_config()
+    config['noise_variance_correction'] = (
+        self._noise_correction and self._noise_correction.correction)
+    return config
+
+  def _resource_apply_dense(self, grad, var, apply_state=None):
+    if self._noise_correction is None:
+      return super()._resource_apply_dense(grad, var, apply_state)
+    coefficients = (apply_state or {}).get(
+        (var.device, var.dtype.base_dtype)) or self._fallback_apply_state(
+            var.device, var.dtype.base_dtype)
+    beta_1, beta_2 = coefficients['beta_1_t'], coefficients['beta_2_t']
+    m = self.get_slot(var, 'm').assign(
+        beta_1 * self.get_slot(var, 'm') + (1 - beta_1) * grad)
+    v = self.get_slot(var, 'v').assign(
+        beta_2 * self.get_slot(var, 'v') + (1 - beta_2) * tf.square(grad))
+    denominator = self._noise_correction.denominator(
+        v / (1 - coefficients['beta_2_power']), self.iterations)
+    return var.assign_sub(
+        coefficients['lr_t'] * m / (1 - coefficients['beta_1_power']) /
+        (denominator + coefficients['epsilon']))
+
   def _resource_apply_sparse(self, grad, var, indices, apply_state=None):
+    if self._noise_correction is not None:
+      raise ValueError(NOISE_CORRECTION_ROWS.format(name=var.name))
     coefficients = (apply_state or {}).get(
         (var.device, var.dtype.base_dtype)) or self._fallback_apply_state(
             var.device, var.dtype.base_dtype)

@@ -19,6 +19,8 @@ from tfdpx.keras import keras3
 from tfdpx.keras import lazy_updates
 from tfdpx.keras.dp_optimizer import DPOptimizerMixin
 from tfdpx.keras.dp_optimizer import secret_seed
+from tfdpx.keras.noise_variance_correction import NOISE_CORRECTION_ROWS
+from tfdpx.keras.noise_variance_correction import NoiseVarianceCorrection
 
 NOT_PRIVATIZED = (
     'tfdpx: {name} was asked to apply gradients it did not privatize. Keras 3 '
@@ -149,11 +151,33 @@ class DPSGD(_Keras3DPOptimizer, keras.optimizers.SGD):
 class DPAdam(_Keras3DPOptimizer, keras.optimizers.Adam):
   """Adam on privatized gradients. See `DPOptimizerMixin` for the DP arguments.
 
-  A table's selected rows (`tf.IndexedSlices`, `sparse_embeddings`) take
-  lazy updates: `tfdpx.keras.lazy_updates`.
+  `noise_variance_correction=f` (keyword only; None by default, Keras's
+  Adam): each coordinate's second moment less the noise's own variance,
+  floored at `f` times one noise draw's (DP-AdamBC;
+  `tfdpx.keras.noise_variance_correction`). A table's selected rows
+  (`tf.IndexedSlices`, `sparse_embeddings`) take lazy updates:
+  `tfdpx.keras.lazy_updates`.
   """
 
+  def __init__(self, *args, noise_variance_correction=None, **kwargs):
+    super().__init__(*args, **kwargs)
+    self._noise_correction = None
+    if noise_variance_correction is not None:
+      self._noise_correction = NoiseVarianceCorrection(
+          noise_variance_correction, self._privatizer,
+          self._expected_batch_size, self.beta_2, self.amsgrad)
+
+  def get_config(self):
+    config = super().get_config()
+    config['noise_variance_correction'] = (
+        self._noise_correction and self._noise_correction.correction)
+    return config
+
   def update_step(self, gradient, variable, learning_rate):
+    if isinstance(gradient, tf.IndexedSlices) and self._noise_correction:
+      raise ValueError(NOISE_CORRECTION_ROWS.format(name=variable.path))
+    if self._noise_correction is not None:
+      return self._corrected_step(gradient, variable, learning_rate)
     if not isinstance(gradient, tf.IndexedSlices):
       return super().update_step(gradient, variable, learning_rate)
     dtype = variable.dtype
@@ -169,6 +193,22 @@ class DPAdam(_Keras3DPOptimizer, keras.optimizers.Adam):
                    _value(self._velocities[index]), v_hat),
         alpha, beta_1, beta_2, tf.cast(self.epsilon, dtype), self.assign,
         self.assign_sub)
+
+
+  def _corrected_step(self, gradient, variable, learning_rate):
+    dtype = variable.dtype
+    gradient = tf.cast(gradient, dtype)
+    step = tf.cast(self.iterations + 1, dtype)
+    beta_1 = tf.cast(self.beta_1, dtype)
+    beta_2 = tf.cast(self.beta_2, dtype)
+    index = self._get_variable_index(variable)
+    m, v = self._momentums[index], self._velocities[index]
+    self.assign(m, beta_1 * _value(m) + (1 - beta_1) * gradient)
+    self.assign(v, beta_2 * _value(v) + (1 - beta_2) * tf.square(gradient))
+    denominator = self._noise_correction.denominator(
+        _value(v) / (1 - beta_2**step), self.iterations)
+    self.assign_sub(variable, tf.cast(learning_rate, dtype) * _value(m) /
+                    (1 - beta_1**step) / (denominator + self.epsilon))
 
 
 @keras.saving.register_keras_serializable(package='tfdpx')

@@ -96,6 +96,11 @@ class Correlated(core.Wrapper):
   def correlation(self) -> correlation.ToeplitzStrategy:
     return self._strategy
 
+  @property
+  def coordinate_noise_variance(self):
+    # Each draw's; step t's noise combines them by row t of C^-1.
+    return self.inner.coordinate_noise_variance
+
   def init(self, params):
     history = self._strategy.history_length
     return {

@@ -47,6 +47,12 @@ class Gaussian(core.Privatizer):
     return self._l2_norm_clip
 
   @property
+  def coordinate_noise_variance(self) -> float:
+    if not self._noise_multiplier:
+      return 0.0  # Also with an infinite clip norm.
+    return (self._noise_multiplier * self._l2_norm_clip)**2
+
+  @property
   def has_gaussian_releases(self) -> bool:
     return True
 
