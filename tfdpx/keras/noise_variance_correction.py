@@ -15,7 +15,8 @@ moving average (Adam's `beta_2`) of the steps' noise variances and `floor`
 Noise correlated across steps (`tfdpx.privatizers.correlated`) makes each
 step's noise larger than one draw (row t of `C^-1` has norm above 1) and
 their sums over steps smaller. Keras's Adam divides by the larger per-step
-noise, which undoes what the correlation gains; corrected, the denominators
+noise, which takes back part of what the correlation gains (the text model
+in docs/correlated_noise.md); corrected, the denominators
 of noise-dominated coordinates are the floor's, the same as with independent
 noise of that multiplier (`noise_variance_correction=1`: about Keras's Adam
 under independent noise).

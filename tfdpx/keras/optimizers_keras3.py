@@ -194,7 +194,6 @@ class DPAdam(_Keras3DPOptimizer, keras.optimizers.Adam):
         alpha, beta_1, beta_2, tf.cast(self.epsilon, dtype), self.assign,
         self.assign_sub)
 
-
   def _corrected_step(self, gradient, variable, learning_rate):
     dtype = variable.dtype
     gradient = tf.cast(gradient, dtype)
