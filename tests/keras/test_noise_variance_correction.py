@@ -14,6 +14,10 @@ D, BATCH, STEPS, CLIP, NOISE, SEED = 6, 4, 5, 1.0, 3.0, 11
 BETA_1, BETA_2, RATE, EPSILON = 0.9, 0.99, 0.1, 1e-7
 
 
+# (correlated noise, num_microbatches): the update's cases.
+CASES = [(False, None), (True, None), (False, 2)]
+
+
 def _privatizer(correlated):
   privatizer = privatizers.gaussian(CLIP, NOISE)
   if correlated:
@@ -40,11 +44,18 @@ def _weights_per_step(optimizer):
   return np.array(kernels)
 
 
-def _released(correlated):
+def _denominators(microbatches):
+  # Microbatch records: the noisy sum over num_microbatches.
+  if microbatches:
+    return dict(num_microbatches=microbatches)
+  return dict(expected_batch_size=BATCH)
+
+
+def _released(correlated, microbatches):
   # SGD at rate 1 from zero: minus each step's noisy mean gradient.
   kernels = _weights_per_step(tfdpx.keras.DPSGD(
-      privatizer=_privatizer(correlated), expected_batch_size=BATCH,
-      learning_rate=1.0, noise_seed=SEED))
+      privatizer=_privatizer(correlated), learning_rate=1.0,
+      noise_seed=SEED, **_denominators(microbatches)))
   return -np.diff(np.concatenate([np.zeros((1, D)), kernels]), axis=0)
 
 
@@ -61,18 +72,20 @@ def _adam(released, variances, floor):
   return w
 
 
-@pytest.mark.parametrize('correlated', [False, True])
-def test_the_update_is_adams_with_the_noise_variance_taken_out(correlated):
-  released = _released(correlated)
-  draw = (NOISE * CLIP / BATCH)**2
+@pytest.mark.parametrize('correlated, microbatches', CASES)
+def test_the_update_is_adams_with_the_noise_variance_taken_out(
+    correlated, microbatches):
+  released = _released(correlated, microbatches)
+  draw = (NOISE * CLIP / (microbatches or BATCH))**2
   # Step t's noise variance from the strategy's covariance across steps.
   variances = draw * (np.diag(_privatizer(True).correlation.noise_covariance(
       STEPS)) if correlated else np.ones(STEPS))
   correction = 0.05
   trained = _weights_per_step(tfdpx.keras.DPAdam(
-      privatizer=_privatizer(correlated), expected_batch_size=BATCH,
-      learning_rate=RATE, beta_1=BETA_1, beta_2=BETA_2, epsilon=EPSILON,
-      noise_seed=SEED, noise_variance_correction=correction))[-1]
+      privatizer=_privatizer(correlated), learning_rate=RATE, beta_1=BETA_1,
+      beta_2=BETA_2, epsilon=EPSILON, noise_seed=SEED,
+      noise_variance_correction=correction,
+      **_denominators(microbatches)))[-1]
   expected = _adam(released, variances, correction * draw)
   np.testing.assert_allclose(trained, expected, rtol=2e-4, atol=1e-6)
   # Keras's Adam, the same formula without the correction, ends elsewhere.

@@ -6,11 +6,13 @@ The privatizer's noise adds its variance to every coordinate's `v`; where it
 dominates (under DP, most coordinates) Adam's step is the first moment over
 the noise's std, whatever the gradient's own scale (Tang et al. 2024: DP-Adam
 is then DP-SGD with momentum). That variance is public (the noise multiplier,
-the clip norm, the public batch denominator and, with noise correlated
-across steps, the strategy), so the optimizer can take it out: the step
-divides by `sqrt(max(v_hat - phi_hat, floor))`, `phi_hat` the bias-corrected
-moving average (Adam's `beta_2`) of the steps' noise variances and `floor`
-`noise_variance_correction` times one independent draw's variance.
+the clip norm, the public denominator of the noisy sum and, with noise
+correlated across steps, the strategy), so the optimizer can take it out:
+the step divides by `sqrt(max(v_hat - phi_hat, floor)) + epsilon`, `phi_hat`
+the bias-corrected moving average (Adam's `beta_2`) of the steps' noise
+variances and `floor` `noise_variance_correction` times one independent
+draw's variance (epsilon is added to the bias-corrected root; Keras adds it
+before the correction).
 
 Noise correlated across steps (`tfdpx.privatizers.correlated`) makes each
 step's noise larger than one draw (row t of `C^-1` has norm above 1) and
@@ -30,6 +32,7 @@ References:
 """
 
 import math
+import numbers
 from typing import Optional
 
 import numpy as np
@@ -38,14 +41,9 @@ import tensorflow as tf
 
 from tfdpx import core
 
-NOISE_CORRECTION_ROWS = (
-    'noise_variance_correction: {name} got the rows of a table '
-    '(tf.IndexedSlices), whose noise is not one variance on every coordinate; '
-    'train without noise_variance_correction')
-
 # Steps of the tabulated moving average; later steps take its last entry
-# (by then the average has converged for beta_2 < 0.9999 and a strategy's
-# row norms have stopped growing).
+# (a strategy's row norms settle within tens of steps, and the average
+# then converges as beta_2^t).
 TABLE_STEPS = 1 << 16
 
 
@@ -53,12 +51,12 @@ class NoiseVarianceCorrection:
   """One optimizer's correction: the public noise moments and the floor."""
 
   def __init__(self, correction: float, privatizer: core.Privatizer,
-               expected_batch_size: Optional[float], beta_2: float,
-               amsgrad: bool):
+               denominator: Optional[float], beta_2: float, amsgrad: bool):
     """Args:
       correction: the floor, in variances of one independent draw, > 0.
       privatizer: the optimizer's noise step.
-      expected_batch_size: the optimizer's public denominator.
+      denominator: the optimizer's public denominator of the noisy sum
+        (`expected_batch_size`, or `num_microbatches`).
       beta_2, amsgrad: Adam's.
 
     Raises:
@@ -76,23 +74,24 @@ class NoiseVarianceCorrection:
           f'noise_variance_correction: the privatizer {privatizer!r} does not '
           'put one public noise variance on every coordinate (supported: '
           'gaussian, and correlated(gaussian))')
-    if expected_batch_size is None:
+    if denominator is None:
       raise ValueError(
-          'noise_variance_correction needs expected_batch_size: the averaged '
-          'gradient\'s noise variance is the sum\'s over the denominator '
-          'squared, public only for a public denominator')
+          'noise_variance_correction needs expected_batch_size (or '
+          'num_microbatches): the averaged gradient\'s noise variance is the '
+          'sum\'s over the denominator squared, known in advance only for a '
+          'given denominator')
     if amsgrad:
       raise ValueError(
           'noise_variance_correction does not apply to amsgrad=True')
-    if not isinstance(beta_2, (int, float)):
+    if isinstance(beta_2, bool) or not isinstance(beta_2, numbers.Real):
       raise ValueError('noise_variance_correction needs a constant beta_2, '
                        f'got {beta_2!r}')
     self.correction = float(correction)
-    self.floor = self.correction * variance / expected_batch_size**2
+    self.floor = self.correction * variance / denominator**2
     self._privatizer = privatizer
-    self._expected_batch_size = expected_batch_size
+    self._denominator = denominator
     self._beta_2 = float(beta_2)
-    self._moments = None
+    self._moments = {}
 
   def noise_moments(self, steps: int = TABLE_STEPS) -> np.ndarray:
     """`phi_hat_t`, t = 0 .. steps - 1: the bias-corrected moving average of
@@ -100,7 +99,7 @@ class NoiseVarianceCorrection:
     to t (step t's: one draw's, times the squared norm of row t of `C^-1`
     with correlated noise)."""
     variances = np.full(steps, self._privatizer.coordinate_noise_variance /
-                        self._expected_batch_size**2)
+                        self._denominator**2)
     correlation = self._privatizer.correlation
     if correlation is not None:
       variances *= np.cumsum(correlation.inverse_coefficients(steps)**2)
@@ -111,12 +110,12 @@ class NoiseVarianceCorrection:
   def denominator(self, v_hat: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
     """`sqrt(max(v_hat - phi_hat_step, floor))`, `step` 0-based."""
     with tf.init_scope():
-      if not tf.executing_eagerly():  # TF1 graph mode: this graph's own.
-        moments = tf.constant(self.noise_moments(), tf.float32)
-      else:  # One eager constant, which every trace captures.
-        if self._moments is None:
-          self._moments = tf.constant(self.noise_moments(), tf.float32)
-        moments = self._moments
+      # One constant per graph (an eager one, which every trace captures).
+      graph = (None if tf.executing_eagerly() else
+               tf.compat.v1.get_default_graph())
+      if graph not in self._moments:
+        self._moments[graph] = tf.constant(self.noise_moments(), tf.float32)
+      moments = self._moments[graph]
     step = tf.minimum(tf.cast(step, tf.int64), TABLE_STEPS - 1)
     phi_hat = tf.cast(tf.gather(moments, step), v_hat.dtype)
     return tf.sqrt(tf.maximum(v_hat - phi_hat,

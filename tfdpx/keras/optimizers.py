@@ -23,7 +23,6 @@ from tfdpx.keras import lazy_updates
 from tfdpx.keras import validation
 from tfdpx.keras.dp_optimizer import DPOptimizerMixin
 from tfdpx.keras.dp_optimizer import secret_seed
-from tfdpx.keras.noise_variance_correction import NOISE_CORRECTION_ROWS
 from tfdpx.keras.noise_variance_correction import NoiseVarianceCorrection
 
 _LOG = logging.getLogger(__name__)
@@ -350,7 +349,7 @@ class DPAdam(_Keras2DPOptimizer, tfp_vectorized.VectorizedDPKerasAdamOptimizer):
     if noise_variance_correction is not None:
       self._noise_correction = NoiseVarianceCorrection(
           noise_variance_correction, self._privatizer,
-          self._expected_batch_size, self._hyper['beta_2'], self.amsgrad)
+          self.denominator, self._hyper['beta_2'], self.amsgrad)
 
   def get_config(self):
     config = super().get_config()
@@ -376,8 +375,6 @@ class DPAdam(_Keras2DPOptimizer, tfp_vectorized.VectorizedDPKerasAdamOptimizer):
         (denominator + coefficients['epsilon']))
 
   def _resource_apply_sparse(self, grad, var, indices, apply_state=None):
-    if self._noise_correction is not None:
-      raise ValueError(NOISE_CORRECTION_ROWS.format(name=var.name))
     coefficients = (apply_state or {}).get(
         (var.device, var.dtype.base_dtype)) or self._fallback_apply_state(
             var.device, var.dtype.base_dtype)

@@ -19,7 +19,6 @@ from tfdpx.keras import keras3
 from tfdpx.keras import lazy_updates
 from tfdpx.keras.dp_optimizer import DPOptimizerMixin
 from tfdpx.keras.dp_optimizer import secret_seed
-from tfdpx.keras.noise_variance_correction import NOISE_CORRECTION_ROWS
 from tfdpx.keras.noise_variance_correction import NoiseVarianceCorrection
 
 NOT_PRIVATIZED = (
@@ -165,7 +164,7 @@ class DPAdam(_Keras3DPOptimizer, keras.optimizers.Adam):
     if noise_variance_correction is not None:
       self._noise_correction = NoiseVarianceCorrection(
           noise_variance_correction, self._privatizer,
-          self._expected_batch_size, self.beta_2, self.amsgrad)
+          self.denominator, self.beta_2, self.amsgrad)
 
   def get_config(self):
     config = super().get_config()
@@ -174,8 +173,6 @@ class DPAdam(_Keras3DPOptimizer, keras.optimizers.Adam):
     return config
 
   def update_step(self, gradient, variable, learning_rate):
-    if isinstance(gradient, tf.IndexedSlices) and self._noise_correction:
-      raise ValueError(NOISE_CORRECTION_ROWS.format(name=variable.path))
     if self._noise_correction is not None:
       return self._corrected_step(gradient, variable, learning_rate)
     if not isinstance(gradient, tf.IndexedSlices):
