@@ -528,8 +528,9 @@ def _noise_bands(n):
     logging.warning(
         '--noise_bands=auto chooses the bands of least noise in SGD\'s '
         'trajectory; under --optimizer=%s each step\'s larger noise also '
-        'enters the second moment, and on the text benchmark with Adam the '
-        'chosen bands trailed DP-SGD at epsilon 8 '
+        'enters the second moment (with adam, --noise_variance_correction '
+        'takes it out), and on the text benchmark with Adam the chosen bands '
+        'trailed DP-SGD at epsilon 8 with and without the correction '
         '(docs/correlated_noise.md, "Utility")', FLAGS.optimizer)
   steps_per_epoch = sampling.steps_per_epoch(n, FLAGS.batch_size)
   return tfdpx.band_selection.least_noise_bands(
