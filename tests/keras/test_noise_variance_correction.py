@@ -97,12 +97,13 @@ def test_noise_moments_average_the_strategys_variances():
   privatizer = privatizers.correlated(privatizers.gaussian(2.0, 1.5), strategy)
   optimizer = tfdpx.keras.DPAdam(privatizer=privatizer, expected_batch_size=8,
                                  beta_2=0.9, noise_variance_correction=1.0)
-  moments = optimizer._noise_correction.noise_moments(30)  # pylint: disable=protected-access
+  correction = optimizer._noise_correction  # pylint: disable=protected-access
+  moments = correction.noise_moments(30)
   variances = (1.5 * 2.0 / 8)**2 * np.diag(strategy.noise_covariance(30))
   average = [np.average(variances[:t + 1], weights=0.9**np.arange(t, -1, -1))
              for t in range(30)]
   np.testing.assert_allclose(moments, average, rtol=1e-10)
-  assert optimizer._noise_correction.floor == pytest.approx((1.5 * 2.0 / 8)**2)  # pylint: disable=protected-access
+  assert correction.floor == pytest.approx((1.5 * 2.0 / 8)**2)
 
 
 @pytest.mark.parametrize('kwargs, match', [

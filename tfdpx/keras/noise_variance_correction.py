@@ -93,6 +93,15 @@ class NoiseVarianceCorrection:
     self._beta_2 = float(beta_2)
     self._moments = {}
 
+  @classmethod
+  def of(cls, optimizer, correction: Optional[float], beta_2: float
+         ) -> Optional['NoiseVarianceCorrection']:
+    """A tfdpx Adam's correction; None for `correction` None."""
+    if correction is None:
+      return None
+    return cls(correction, optimizer.privatizer, optimizer.denominator, beta_2,
+               optimizer.amsgrad)
+
   def noise_moments(self, steps: int = TABLE_STEPS) -> np.ndarray:
     """`phi_hat_t`, t = 0 .. steps - 1: the bias-corrected moving average of
     the per-coordinate noise variances of the averaged gradient at steps 0

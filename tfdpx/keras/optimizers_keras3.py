@@ -150,21 +150,17 @@ class DPSGD(_Keras3DPOptimizer, keras.optimizers.SGD):
 class DPAdam(_Keras3DPOptimizer, keras.optimizers.Adam):
   """Adam on privatized gradients. See `DPOptimizerMixin` for the DP arguments.
 
-  `noise_variance_correction=f` (keyword only; None by default, Keras's
-  Adam): each coordinate's second moment less the noise's own variance,
-  floored at `f` times one noise draw's (DP-AdamBC;
-  `tfdpx.keras.noise_variance_correction`). A table's selected rows
-  (`tf.IndexedSlices`, `sparse_embeddings`) take lazy updates:
-  `tfdpx.keras.lazy_updates`.
+  Keyword-only `noise_variance_correction=f` takes the noise's variance
+  out of the second moment (DP-AdamBC):
+  `tfdpx.keras.noise_variance_correction`.
+  A table's selected rows (`tf.IndexedSlices`, `sparse_embeddings`) take
+  lazy updates: `tfdpx.keras.lazy_updates`.
   """
 
   def __init__(self, *args, noise_variance_correction=None, **kwargs):
     super().__init__(*args, **kwargs)
-    self._noise_correction = None
-    if noise_variance_correction is not None:
-      self._noise_correction = NoiseVarianceCorrection(
-          noise_variance_correction, self._privatizer,
-          self.denominator, self.beta_2, self.amsgrad)
+    self._noise_correction = NoiseVarianceCorrection.of(
+        self, noise_variance_correction, self.beta_2)
 
   def get_config(self):
     config = super().get_config()
