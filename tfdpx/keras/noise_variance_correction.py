@@ -87,9 +87,10 @@ class NoiseVarianceCorrection:
       raise ValueError('noise_variance_correction needs a constant beta_2, '
                        f'got {beta_2!r}')
     self.correction = float(correction)
-    self.floor = self.correction * variance / denominator**2
-    self._privatizer = privatizer
-    self._denominator = denominator
+    # One draw's variance on a coordinate of the averaged gradient.
+    self._draw = variance / denominator**2
+    self.floor = self.correction * self._draw
+    self._correlation = privatizer.correlation
     self._beta_2 = float(beta_2)
     self._moments = {}
 
@@ -107,11 +108,10 @@ class NoiseVarianceCorrection:
     the per-coordinate noise variances of the averaged gradient at steps 0
     to t (step t's: one draw's, times the squared norm of row t of `C^-1`
     with correlated noise)."""
-    variances = np.full(steps, self._privatizer.coordinate_noise_variance /
-                        self._denominator**2)
-    correlation = self._privatizer.correlation
-    if correlation is not None:
-      variances *= np.cumsum(correlation.inverse_coefficients(steps)**2)
+    variances = np.full(steps, self._draw)
+    if self._correlation is not None:
+      # Not noise_covariance's diagonal: that forms a steps x steps matrix.
+      variances *= np.cumsum(self._correlation.inverse_coefficients(steps)**2)
     average = signal.lfilter([1.0 - self._beta_2], [1.0, -self._beta_2],
                              variances)
     return average / (1.0 - self._beta_2**np.arange(1, steps + 1))
